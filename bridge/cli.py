@@ -1,0 +1,111 @@
+"""``hpc-bridge``: the login-node command (cron ``check``, systemd ``run``, ``enqueue``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from bridge.config import BridgeConfig, load_config
+from bridge.errors import ConfigError
+from bridge.logs import configure_logging, register_secret
+
+EXAMPLES = """examples:
+  hpc-bridge check                      # one pass: what cron's run_check runs
+  hpc-bridge run                        # the daemon (systemd)
+  hpc-bridge enqueue --inputs inputs.json --setting 'Maximum number of training epochs=2' --wait --out models/
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="hpc-bridge",
+        description="Take Rodan training requests from RabbitMQ, submit them as batch jobs, "
+        "and make sure every request gets exactly one reply.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--credentials", type=Path, help="credentials.env to read (default: $HPC_BRIDGE_CREDENTIALS or ./credentials.env)"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser(
+        "check",
+        help="one pass: drain the request queue, reconcile jobs, publish pending replies, exit",
+        epilog="example: */5 * * * * /opt/hpc-bridge/deploy/run_check",
+    )
+    sub.add_parser(
+        "run",
+        help="run as a daemon (pick up requests within a second, reconcile periodically)",
+        epilog="example: systemctl --user start hpc-bridge",
+    )
+    enq = sub.add_parser(
+        "enqueue",
+        help="publish a request exactly as Rodan does, optionally wait for its reply",
+        epilog="example: hpc-bridge enqueue --inputs inputs.json --setting CPUs=2 --wait --out models/",
+    )
+    enq.add_argument("--inputs", type=Path, required=True, help="JSON file: input name -> resource path")
+    enq.add_argument(
+        "--setting", action="append", default=[], metavar="NAME=VALUE", help="a Rodan setting (repeatable)"
+    )
+    enq.add_argument("--wait", action="store_true", help="wait for the reply like Rodan (nacking foreign replies)")
+    enq.add_argument("--timeout", type=float, default=None, help="give up waiting after this many seconds")
+    enq.add_argument("--out", type=Path, help="write the decoded models here")
+    args = parser.parse_args(argv)
+
+    try:
+        config = load_config(args.credentials)
+    except ConfigError as exc:
+        print(f"hpc-bridge: configuration error: {exc}", file=sys.stderr)
+        return 2
+    for secret in config.secrets:
+        register_secret(secret)
+    configure_logging(level=config.log_level, log_file=config.log_file, component="bridge")
+
+    if args.command in ("check", "run"):
+        from bridge.runner import Bridge
+
+        bridge = Bridge(config)
+        bridge.install_signal_handlers()
+        return bridge.check() if args.command == "check" else bridge.run()
+    if args.command == "enqueue":
+        return _enqueue(config, args)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+def _enqueue(config: BridgeConfig, args: argparse.Namespace) -> int:
+    from bridge.enqueue import publish_request, save_models, wait_for_reply
+
+    inputs = json.loads(args.inputs.read_text())
+    settings: dict[str, Any] = {}
+    for item in args.setting:
+        name, sep, value = item.partition("=")
+        if not sep:
+            print(f"hpc-bridge: --setting expects NAME=VALUE, got {item!r}", file=sys.stderr)
+            return 2
+        settings[name] = int(value) if value.lstrip("-").isdigit() else value
+    correlation_id = publish_request(
+        config.broker_url, inputs, settings, request_queue=config.request_queue, reply_queue=config.reply_queue
+    )
+    result: dict[str, Any] = {"correlation_id": correlation_id}
+    if args.wait:
+        reply = wait_for_reply(
+            config.broker_url, correlation_id, reply_queue=config.reply_queue, timeout_s=args.timeout
+        )
+        if reply is None:
+            result["error"] = "no reply before the timeout"
+            print(json.dumps(result))
+            return 1
+        result["seconds"] = round(reply.seconds, 1)
+        if reply.is_error:
+            result["error"] = reply.data["error"]
+        else:
+            result["models"] = sorted(reply.data)
+            if args.out:
+                saved = save_models(reply, args.out)
+                result["files"] = {k: {"path": str(p), "bytes": p.stat().st_size} for k, p in saved.items()}
+    print(json.dumps(result))
+    return 1 if "error" in result else 0

@@ -1,0 +1,236 @@
+"""Configuration: ``credentials.env`` (python-dotenv) overlaid by the environment.
+
+Every setting is documented in ``credentials.env.example``. A missing or
+malformed setting raises :class:`ConfigError` naming it, at start-up.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import stat
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import quote, urlsplit
+
+from dotenv import dotenv_values
+
+from bridge.errors import ConfigError
+
+DEFAULT_CREDENTIALS = Path("credentials.env")
+
+
+@dataclass(frozen=True)
+class GpuRule:
+    """Jobs asking for at least ``min_memory_mb`` get ``gres`` (e.g. ``gpu:v100l:1``)."""
+
+    min_memory_mb: int
+    gres: str
+
+
+@dataclass(frozen=True)
+class BridgeConfig:
+    broker_url: str = field(repr=False)
+    rodan_scheme: str
+    rodan_host: str
+    rodan_user: str
+    rodan_email: str
+    rodan_password: str = field(repr=False)
+    request_queue: str = "hpc-jobs"
+    reply_queue: str = "hpc-results"
+    dead_letter_queue: str = "hpc-bridge.dead-letter"
+    spool_dir: Path = Path.home() / "hpc-bridge-spool"
+    scheduler: str = "slurm"
+    slurm_account: str = ""
+    slurm_partition: str = ""
+    gpu_rules: tuple[GpuRule, ...] = (GpuRule(0, "gpu:1"),)
+    scheduler_args: tuple[str, ...] = ()
+    worker_python: str = sys.executable
+    max_attempts: int = 5
+    max_reply_bytes: int = 128 * 1024 * 1024
+    rodan_timeout_s: float = 30.0
+    rodan_retries: int = 4
+    scheduler_timeout_s: float = 60.0
+    reconcile_interval_s: float = 30.0
+    poll_interval_s: float = 0.25
+    missing_timeout_s: float = 3600.0
+    log_file: Path | None = None
+    log_level: str = "INFO"
+    credentials_file: Path | None = None
+
+    @property
+    def rodan_base_url(self) -> str:
+        return f"{self.rodan_scheme}://{self.rodan_host}"
+
+    def gres_for(self, memory_mb: int) -> str | None:
+        """The GPU request for a job of ``memory_mb`` (largest matching threshold wins)."""
+        chosen: str | None = None
+        best = -1
+        for rule in self.gpu_rules:
+            if rule.min_memory_mb <= memory_mb and rule.min_memory_mb > best:
+                chosen, best = rule.gres, rule.min_memory_mb
+        return chosen
+
+    @property
+    def secrets(self) -> list[str]:
+        parts = urlsplit(self.broker_url)
+        return [s for s in (self.rodan_password, parts.password or "") if s]
+
+
+def read_settings(credentials: Path | None = None, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The raw settings: the credentials file, then the environment on top."""
+    env = dict(os.environ if environ is None else environ)
+    path = credentials or (Path(env["HPC_BRIDGE_CREDENTIALS"]) if env.get("HPC_BRIDGE_CREDENTIALS") else None)
+    values: dict[str, str] = {}
+    if path is None and DEFAULT_CREDENTIALS.exists():
+        path = DEFAULT_CREDENTIALS
+    if path is not None:
+        if not path.exists():
+            raise ConfigError(f"credentials file {path} does not exist")
+        check_private(path)
+        values.update({k: v for k, v in dotenv_values(path).items() if v is not None})
+        values["HPC_BRIDGE_CREDENTIALS"] = str(path.resolve())
+    values.update({k: v for k, v in env.items() if k.startswith(("RABBITMQ_", "RODAN_", "HPC_"))})
+    return values
+
+
+def check_private(path: Path) -> None:
+    """Refuse a credentials file that group or others can read or write."""
+    mode = path.stat().st_mode
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(
+            f"credentials file {path} is readable by others (mode {stat.S_IMODE(mode):o}); "
+            f"it holds passwords: run 'chmod 600 {path}'"
+        )
+
+
+def load_config(credentials: Path | None = None, environ: Mapping[str, str] | None = None) -> BridgeConfig:
+    raw = read_settings(credentials, environ)
+    get = _Getter(raw)
+    rodan_user = get.text("RODAN_USER", "")
+    rodan_email = get.text("RODAN_EMAIL", rodan_user if "@" in rodan_user else "")
+    if not rodan_user and not rodan_email:
+        raise ConfigError("RODAN_USER (or RODAN_EMAIL) is not set")
+    scheme = get.text("RODAN_SCHEME", "https")
+    if scheme not in {"http", "https"}:
+        raise ConfigError(f"RODAN_SCHEME must be http or https, got {scheme!r}")
+    rodan_host = get.required("RODAN_HOST")
+    if "/" in rodan_host or not rodan_host.strip():
+        raise ConfigError(f"RODAN_HOST must be host or host:port without a scheme or path, got {rodan_host!r}")
+    scheduler = get.text("HPC_SCHEDULER", "slurm")
+    if scheduler not in {"slurm"}:
+        raise ConfigError(f"HPC_SCHEDULER must be 'slurm', got {scheduler!r}")
+    log_file = get.text("HPC_LOG_FILE", "")
+    return BridgeConfig(
+        broker_url=broker_url_from(raw),
+        rodan_scheme=scheme,
+        rodan_host=rodan_host,
+        rodan_user=rodan_user or rodan_email,
+        rodan_email=rodan_email,
+        rodan_password=get.required("RODAN_PASSWORD"),
+        request_queue=get.text("HPC_REQUEST_QUEUE", "hpc-jobs"),
+        reply_queue=get.text("HPC_REPLY_QUEUE", "hpc-results"),
+        dead_letter_queue=get.text("HPC_DEAD_LETTER_QUEUE", "hpc-bridge.dead-letter"),
+        spool_dir=Path(get.text("HPC_SPOOL_DIR", str(Path.home() / "hpc-bridge-spool"))).expanduser(),
+        scheduler=scheduler,
+        slurm_account=get.text("HPC_SLURM_ACCOUNT", ""),
+        slurm_partition=get.text("HPC_SLURM_PARTITION", ""),
+        gpu_rules=parse_gpu_rules(get.text("HPC_GPU_RULES", "gpu:1")),
+        scheduler_args=tuple(_split("HPC_SCHEDULER_ARGS", get.text("HPC_SCHEDULER_ARGS", ""))),
+        worker_python=get.text("HPC_WORKER_PYTHON", sys.executable),
+        max_attempts=get.integer("HPC_MAX_ATTEMPTS", 5, minimum=1),
+        max_reply_bytes=get.integer("HPC_MAX_REPLY_BYTES", 128 * 1024 * 1024, minimum=1024),
+        rodan_timeout_s=get.number("HPC_RODAN_TIMEOUT", 30.0),
+        rodan_retries=get.integer("HPC_RODAN_RETRIES", 4, minimum=0),
+        scheduler_timeout_s=get.number("HPC_SCHEDULER_TIMEOUT", 60.0),
+        reconcile_interval_s=get.number("HPC_RECONCILE_INTERVAL", 30.0),
+        poll_interval_s=get.number("HPC_POLL_INTERVAL", 0.25),
+        missing_timeout_s=get.number("HPC_MISSING_TIMEOUT", 3600.0),
+        log_file=Path(log_file).expanduser() if log_file else None,
+        log_level=get.text("HPC_LOG_LEVEL", "INFO"),
+        credentials_file=Path(raw["HPC_BRIDGE_CREDENTIALS"]) if raw.get("HPC_BRIDGE_CREDENTIALS") else None,
+    )
+
+
+def broker_url_from(raw: Mapping[str, str]) -> str:
+    """``RABBITMQ_URL``, or one built from the seed's RABBITMQ_HOST/USER/PASSWORD names."""
+    url = raw.get("RABBITMQ_URL", "").strip()
+    if url:
+        parts = urlsplit(url)
+        if parts.scheme not in {"amqp", "amqps"} or not parts.hostname:
+            raise ConfigError("RABBITMQ_URL must look like amqp://user:password@host:5672/%2F (or amqps://)")
+        return url
+    host = raw.get("RABBITMQ_HOST", "").strip()
+    if not host:
+        raise ConfigError("RABBITMQ_URL (or RABBITMQ_HOST, RABBITMQ_USER, RABBITMQ_PASSWORD) is not set")
+    tls = raw.get("RABBITMQ_TLS", "false").strip().lower() in {"1", "true", "yes"}
+    port = raw.get("RABBITMQ_PORT", "5671" if tls else "5672").strip()
+    if not port.isdigit():
+        raise ConfigError(f"RABBITMQ_PORT must be a number, got {port!r}")
+    user = quote(raw.get("RABBITMQ_USER", "guest"), safe="")
+    password = quote(raw.get("RABBITMQ_PASSWORD", "guest"), safe="")
+    vhost = quote(raw.get("RABBITMQ_VHOST", "/"), safe="")
+    return f"{'amqps' if tls else 'amqp'}://{user}:{password}@{host}:{port}/{vhost}"
+
+
+def parse_gpu_rules(text: str) -> tuple[GpuRule, ...]:
+    """``"gpu:1; 128000=gpu:v100l:1"``: the default gres, then memory thresholds. ``none`` = no GPU."""
+    rules: list[GpuRule] = []
+    for entry in (e.strip() for e in text.split(";")):
+        if not entry or entry.lower() == "none":
+            continue
+        threshold, _, gres = entry.rpartition("=")
+        if threshold and not threshold.strip().isdigit():
+            raise ConfigError(f"HPC_GPU_RULES entry {entry!r}: expected GRES or MIN_MEMORY_MB=GRES")
+        gres = gres.strip()
+        if not gres or any(c.isspace() for c in gres) or not all(c.isalnum() or c in ":_-." for c in gres):
+            raise ConfigError(f"HPC_GPU_RULES entry {entry!r}: {gres!r} is not a gres like gpu:1")
+        rules.append(GpuRule(int(threshold) if threshold else 0, gres))
+    return tuple(rules)
+
+
+def _split(name: str, text: str) -> list[str]:
+    try:
+        return shlex.split(text)
+    except ValueError as exc:
+        raise ConfigError(f"{name}: {exc}") from None
+
+
+class _Getter:
+    def __init__(self, raw: Mapping[str, str]) -> None:
+        self.raw = raw
+
+    def text(self, name: str, default: str) -> str:
+        return self.raw.get(name, default).strip() or default
+
+    def required(self, name: str) -> str:
+        value = self.raw.get(name, "")
+        if not value.strip():
+            raise ConfigError(f"{name} is not set")
+        return value
+
+    def integer(self, name: str, default: int, *, minimum: int = 0) -> int:
+        value = self.raw.get(name, "").strip()
+        if not value:
+            return default
+        try:
+            number = int(value)
+        except ValueError:
+            raise ConfigError(f"{name} must be a whole number, got {value!r}") from None
+        if number < minimum:
+            raise ConfigError(f"{name} must be at least {minimum}, got {number}")
+        return number
+
+    def number(self, name: str, default: float) -> float:
+        value = self.raw.get(name, "").strip()
+        if not value:
+            return default
+        try:
+            number = float(value)
+        except ValueError:
+            raise ConfigError(f"{name} must be a number, got {value!r}") from None
+        if number <= 0:
+            raise ConfigError(f"{name} must be positive, got {value!r}")
+        return number

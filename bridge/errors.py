@@ -1,0 +1,51 @@
+"""The few exception types of the project, named by what the caller should do.
+
+Every failure the bridge or the worker meets is turned into one of these at the
+boundary where it happens, so the code that decides (retry, reply with an error,
+dead-letter) only has to look at the type:
+
+* :class:`TransientError`  - try the same thing again later (5xx, connection
+  refused, slurmctld unreachable). Bounded by the caller.
+* :class:`PermanentError`  - retrying cannot help (4xx, invalid settings, the
+  scheduler rejected the job). The request gets an error reply.
+* :class:`ConfigError`     - the operator's configuration is wrong; the process
+  refuses to start and names the setting.
+"""
+
+from __future__ import annotations
+
+
+class BridgeError(Exception):
+    """Base of every error this project raises on purpose."""
+
+
+class ConfigError(BridgeError):
+    """A setting is missing or malformed. The message names the setting."""
+
+
+class TransientError(BridgeError):
+    """Worth retrying later: the cause is outside the request."""
+
+
+class PermanentError(BridgeError):
+    """Never worth retrying: the request (or its target) must change first."""
+
+
+class InvalidRequest(PermanentError):
+    """The request body or its settings break the protocol."""
+
+
+class RodanAuthError(PermanentError):
+    """Rodan refused the credentials (401/403). An operator must fix them."""
+
+
+class SchedulerRejected(PermanentError):
+    """The scheduler refused the job for good (e.g. impossible memory)."""
+
+
+class SchedulerUnavailable(TransientError):
+    """The scheduler did not answer (controller down, timeout)."""
+
+
+class BrokerUnavailable(TransientError):
+    """The message broker could not be reached or dropped the connection."""

@@ -1,0 +1,102 @@
+"""The bridge's durable record of every request, keyed by correlation id.
+
+One small JSON file per request under ``SPOOL/ledger``. The ledger is what
+makes a redelivered request harmless: a request already submitted is never
+submitted again, and a request already answered is never answered again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, fields
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from bridge.spool import Spool, atomic_write_json, read_json, safe_key
+
+
+class RequestState(str, Enum):
+    """Where a request stands, from the bridge's point of view."""
+
+    RECEIVED = "received"  # taken from the queue, not yet submitted (transient failures retry from here)
+    SUBMITTING = "submitting"  # the submit command may have run: confirm with the scheduler before resubmitting
+    SUBMITTED = "submitted"  # a job exists; reconciliation watches it until a reply is published
+    REPLIED = "replied"  # the final reply (models or error) was published
+    REJECTED = "rejected"  # never submitted; an error reply was published and the message dead-lettered
+
+    @property
+    def is_final(self) -> bool:
+        return self in (RequestState.REPLIED, RequestState.REJECTED)
+
+
+@dataclass
+class RequestRecord:
+    correlation_id: str
+    key: str
+    reply_to: str
+    state: RequestState = RequestState.RECEIVED
+    generation: str = ""
+    scheduler: str = ""
+    job_id: str = ""
+    job_name: str = ""
+    attempts: int = 0
+    outcome: str = ""  # "ok" or "error" once replied
+    reason: str = ""  # last error, or what the final error reply said
+    job_state: str = ""  # last scheduler state seen
+    time_limit: str = ""
+    memory_mb: int = 0
+    created_at: float = field(default_factory=time.time)
+    updated_at: float = field(default_factory=time.time)
+    submitted_at: float = 0.0
+    replied_at: float = 0.0
+    missing_since: float = 0.0
+    dead_lettered: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["state"] = self.state.value
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RequestRecord:
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        values["state"] = RequestState(values.get("state", RequestState.RECEIVED.value))
+        return cls(**values)
+
+
+class Ledger:
+    def __init__(self, spool: Spool) -> None:
+        self.spool = spool
+
+    def _path(self, key: str) -> Path:
+        return self.spool.ledger_dir / f"{key}.json"
+
+    def get(self, correlation_id: str) -> RequestRecord | None:
+        path = self._path(safe_key(correlation_id))
+        if not path.exists():
+            return None
+        return RequestRecord.from_json(read_json(path))
+
+    def open(self, correlation_id: str, reply_to: str) -> RequestRecord:
+        """The existing record, or a new one (not yet saved)."""
+        existing = self.get(correlation_id)
+        if existing is not None:
+            return existing
+        return RequestRecord(correlation_id=correlation_id, key=safe_key(correlation_id), reply_to=reply_to)
+
+    def save(self, record: RequestRecord) -> None:
+        record.updated_at = time.time()
+        atomic_write_json(self._path(record.key), record.to_json())
+
+    def all(self) -> Iterator[RequestRecord]:
+        for path in sorted(self.spool.ledger_dir.glob("*.json")):
+            try:
+                yield RequestRecord.from_json(read_json(path))
+            except (OSError, ValueError):
+                continue
+
+    def in_state(self, *states: RequestState) -> list[RequestRecord]:
+        return [r for r in self.all() if r.state in states]

@@ -1,0 +1,290 @@
+"""The wire contract with Rodan (see PROTOCOL.md): request parsing, validation, replies.
+
+Two generations of Rodan's job are in the field; both are accepted and each is
+answered with its own reply keys. Everything here is pure (no I/O) so it is
+cheap to test exhaustively.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+from urllib.parse import urlsplit
+
+import jsonschema
+
+from bridge.errors import InvalidRequest
+
+MAX_BODY_BYTES = 1 << 20  # a request is a few hundred bytes; anything this big is not Rodan's
+
+
+class Generation(str, Enum):
+    OLD = "old"  # 4 named layers (Rodan's first HPC job)
+    NEW = "new"  # N numbered layers
+
+
+IMAGE = "Image"
+BACKGROUND = "Background"
+SELECTED_REGIONS = "Selected Regions"
+NEW_LAYER_PREFIX = "rgba PNG - Layer "
+MAX_NEW_LAYERS = 10
+
+# Old generation: input name -> reply key, in training order.
+OLD_LAYERS: dict[str, str] = {
+    BACKGROUND: "Background Model",
+    "Music Layer": "Music Symbol Model",
+    "Staff Layer": "Staff Lines Model",
+    "Text": "Text Model",
+}
+OLD_ONLY_INPUTS = frozenset(OLD_LAYERS) - {BACKGROUND}
+
+
+@dataclass(frozen=True)
+class TrainingSettings:
+    """Rodan's settings after defaults are applied (PROTOCOL.md §2)."""
+
+    epochs: int = 15
+    max_samples_per_label: int = 10000
+    patch_height: int = 256
+    patch_width: int = 256
+    max_time: str = "0-06:00"
+    max_memory_mb: int = 257000
+    cpus: int = 6
+    notification_email: str = ""
+    batch_size: int = 16
+    patience: int = 3
+
+    @property
+    def max_time_minutes(self) -> int:
+        return parse_duration_minutes(self.max_time)
+
+
+# Rodan's setting name -> (attribute, JSON schema fragment). Upper bounds keep
+# absurd values out of scheduler arguments; they are far above any real job.
+SETTING_FIELDS: dict[str, tuple[str, dict[str, Any]]] = {
+    "Maximum number of training epochs": ("epochs", {"type": "integer", "minimum": 1, "maximum": 100000}),
+    "Maximum number of samples per label": (
+        "max_samples_per_label",
+        {"type": "integer", "minimum": 100, "maximum": 100_000_000},
+    ),
+    "Patch height": ("patch_height", {"type": "integer", "minimum": 64, "maximum": 8192}),
+    "Patch width": ("patch_width", {"type": "integer", "minimum": 64, "maximum": 8192}),
+    "Maximum time (D-HH:MM)": ("max_time", {"type": "string", "maxLength": 16}),
+    "Maximum memory (MB)": ("max_memory_mb", {"type": "integer", "minimum": 1024, "maximum": 64_000_000}),
+    "CPUs": ("cpus", {"type": "integer", "minimum": 1, "maximum": 4096}),
+    "Slurm Notification Email": ("notification_email", {"type": "string", "maxLength": 254}),
+    # Optional settings a newer Rodan job may send (issue #3); defaults as the seed.
+    "Batch size": ("batch_size", {"type": "integer", "minimum": 1, "maximum": 4096}),
+    "Patience": ("patience", {"type": "integer", "minimum": 1, "maximum": 1000}),
+}
+
+REQUEST_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["inputs"],
+    "properties": {
+        "inputs": {
+            "type": "object",
+            "additionalProperties": {"type": "string", "minLength": 1, "maxLength": 4096},
+        },
+        "settings": {
+            "type": "object",
+            "properties": {name: schema for name, (_, schema) in SETTING_FIELDS.items()},
+        },
+    },
+}
+_validator = jsonschema.Draft202012Validator(REQUEST_SCHEMA)
+
+_DURATION = re.compile(r"^(\d{1,3})-(\d{2}):(\d{2})$")
+_EMAIL = re.compile(r"^[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9-]{1,63}(\.[A-Za-z0-9-]{1,63})+$")
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One model to train: which input holds its mask and which reply key carries it."""
+
+    input_name: str
+    reply_key: str
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    correlation_id: str
+    reply_to: str
+    generation: Generation
+    inputs: dict[str, str]
+    settings: TrainingSettings
+    layers: tuple[LayerSpec, ...] = field(default_factory=tuple)
+
+    @property
+    def reply_keys(self) -> list[str]:
+        return [layer.reply_key for layer in self.layers]
+
+
+def parse_duration_minutes(text: str) -> int:
+    """``D-HH:MM`` -> minutes. Raises InvalidRequest naming the setting."""
+    match = _DURATION.match(text)
+    if not match:
+        raise InvalidRequest(f"'Maximum time (D-HH:MM)' must look like 0-06:00, got {text!r}")
+    days, hours, minutes = (int(g) for g in match.groups())
+    if hours > 23 or minutes > 59:
+        raise InvalidRequest(f"'Maximum time (D-HH:MM)' has hours > 23 or minutes > 59: {text!r}")
+    total = days * 1440 + hours * 60 + minutes
+    if total < 1:
+        raise InvalidRequest("'Maximum time (D-HH:MM)' must be at least one minute")
+    return total
+
+
+def format_duration(minutes: int) -> str:
+    days, rest = divmod(minutes, 1440)
+    return f"{days}-{rest // 60:02d}:{rest % 60:02d}"
+
+
+def decode_body(body: bytes) -> dict[str, Any]:
+    if len(body) > MAX_BODY_BYTES:
+        raise InvalidRequest(f"request body is {len(body)} bytes, more than the {MAX_BODY_BYTES} allowed")
+    try:
+        data = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("request body must be a JSON object with 'inputs' and 'settings'")
+    return data
+
+
+def parse_request(body: bytes, *, correlation_id: str, reply_to: str) -> JobRequest:
+    """Validate a raw request body; raise :class:`InvalidRequest` with every problem found."""
+    data = decode_body(body)
+    errors = sorted(_validator.iter_errors(data), key=lambda e: list(e.absolute_path))
+    if errors:
+        raise InvalidRequest("invalid request: " + "; ".join(_describe(e) for e in errors[:5]))
+    inputs: dict[str, str] = dict(data["inputs"])
+    generation, layers = _identify_layers(inputs)
+    for name, value in inputs.items():
+        check_resource(name, value)
+    settings = _settings(data.get("settings") or {})
+    return JobRequest(
+        correlation_id=correlation_id,
+        reply_to=reply_to,
+        generation=generation,
+        inputs=inputs,
+        settings=settings,
+        layers=tuple(layers),
+    )
+
+
+def _describe(error: jsonschema.ValidationError) -> str:
+    where = "/".join(str(p) for p in error.absolute_path) or "body"
+    if error.validator == "type":
+        return f"{where!r} must be of type {error.validator_value}"
+    if error.validator in {"minimum", "maximum"}:
+        return f"{where!r} must be {'>=' if error.validator == 'minimum' else '<='} {error.validator_value}"
+    return f"{where!r}: {error.message}"
+
+
+def _identify_layers(inputs: Mapping[str, str]) -> tuple[Generation, list[LayerSpec]]:
+    names = set(inputs)
+    numbered = sorted(n for n in names if n.startswith(NEW_LAYER_PREFIX))
+    old_named = names & OLD_ONLY_INPUTS
+    if numbered and old_named:
+        raise InvalidRequest(
+            "request mixes the two Rodan job generations: "
+            f"{sorted(old_named)} (4-layer job) and {numbered} (numbered-layer job)"
+        )
+    common = [IMAGE, BACKGROUND, SELECTED_REGIONS]
+    if numbered:
+        indices: list[int] = []
+        for name in numbered:
+            suffix = name[len(NEW_LAYER_PREFIX) :]
+            if not suffix.isdigit() or str(int(suffix)) != suffix:
+                raise InvalidRequest(f"unknown input {name!r}")
+            indices.append(int(suffix))
+        indices.sort()
+        if indices != list(range(len(indices))) or len(indices) > MAX_NEW_LAYERS:
+            raise InvalidRequest(
+                f"numbered layers must be contiguous from 0 and at most {MAX_NEW_LAYERS}, got {indices}"
+            )
+        expected = set(common) | {f"{NEW_LAYER_PREFIX}{i}" for i in indices}
+        _require_exact(names, expected)
+        layers = [LayerSpec(BACKGROUND, "Background Model")]
+        layers += [LayerSpec(f"{NEW_LAYER_PREFIX}{i}", f"Model {i}") for i in indices]
+        return Generation.NEW, layers
+    expected = set(common) | set(OLD_LAYERS)
+    if not old_named:
+        missing = sorted(expected - names)
+        raise InvalidRequest(
+            f"missing inputs {missing}: a request needs {IMAGE!r}, {BACKGROUND!r}, {SELECTED_REGIONS!r} "
+            f"and either the 4-layer inputs {sorted(OLD_ONLY_INPUTS)} or '{NEW_LAYER_PREFIX}0'..."
+        )
+    _require_exact(names, expected)
+    return Generation.OLD, [LayerSpec(name, key) for name, key in OLD_LAYERS.items()]
+
+
+def _require_exact(names: set[str], expected: set[str]) -> None:
+    missing, unknown = sorted(expected - names), sorted(names - expected)
+    if missing:
+        raise InvalidRequest(f"missing inputs: {missing}")
+    if unknown:
+        raise InvalidRequest(f"unknown inputs: {unknown}")
+
+
+def check_resource(name: str, value: str) -> None:
+    """A resource is a path on the Rodan host, or an absolute http(s) URL."""
+    if any(ord(c) < 32 or c == "\x7f" for c in value):
+        raise InvalidRequest(f"input {name!r} contains control characters")
+    if value.startswith("/"):
+        path = value
+    else:
+        parts = urlsplit(value)
+        if parts.scheme not in {"http", "https"} or not parts.netloc:
+            raise InvalidRequest(f"input {name!r} must be a path on the Rodan host or an http(s) URL")
+        path = parts.path
+    if ".." in path.split("/"):
+        raise InvalidRequest(f"input {name!r} contains a '..' path segment")
+
+
+def _settings(raw: Mapping[str, Any]) -> TrainingSettings:
+    values: dict[str, Any] = {}
+    for name, (attr, schema) in SETTING_FIELDS.items():
+        if name in raw and raw[name] is not None:
+            # JSON Schema counts 15.0 as an integer; hand the trainer a real int.
+            values[attr] = int(raw[name]) if schema["type"] == "integer" else raw[name]
+    settings = TrainingSettings(**values)
+    settings.max_time_minutes  # noqa: B018 - validates the format, raising InvalidRequest
+    email = settings.notification_email
+    if email and not _EMAIL.match(email):
+        raise InvalidRequest(f"'Slurm Notification Email' is not an e-mail address: {email!r}")
+    return settings
+
+
+# --- replies ---------------------------------------------------------------
+
+
+def encode_model(data: bytes) -> str:
+    """Standard base64 with newlines, as the original HPC side sent (Rodan uses decodebytes)."""
+    return base64.encodebytes(data).decode("ascii")
+
+
+def success_reply(models: Mapping[str, bytes]) -> bytes:
+    return json.dumps({key: encode_model(data) for key, data in models.items()}).encode("utf-8")
+
+
+def error_reply(reason: str) -> bytes:
+    return json.dumps({"error": reason}).encode("utf-8")
+
+
+def reply_is_error(body: bytes) -> bool:
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(data, dict) and set(data) == {"error"}
+
+
+def build_request_body(inputs: Mapping[str, str], settings: Mapping[str, Any]) -> bytes:
+    """The body Rodan's task publishes (used by ``hpc-bridge enqueue`` and tests)."""
+    return json.dumps({"inputs": dict(inputs), "settings": dict(settings)}).encode("utf-8")

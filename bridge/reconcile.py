@@ -1,0 +1,135 @@
+"""Watch every submitted job until its request has had its one reply.
+
+The worker replies itself. For a job that ended any other way (time limit,
+cancellation, crash, out of memory, node failure ...) this stages an error
+reply that names the scheduler's state and what to change. A job the scheduler
+no longer knows is looked up in accounting; one that stays unknown is only
+judged after ``missing_timeout_s``. "Missing" is never read as done.
+"""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+
+from bridge.config import BridgeConfig
+from bridge.errors import SchedulerUnavailable
+from bridge.ledger import Ledger, RequestRecord, RequestState
+from bridge.protocol import error_reply
+from bridge.replies import ReplyBox
+from bridge.schedulers import JobInfo, JobState, Scheduler
+from bridge.spool import Spool
+
+log = structlog.get_logger(__name__)
+
+
+def explain(record: RequestRecord, info: JobInfo, scheduler: str) -> str:
+    """A human-readable error reply for a job that ended without replying."""
+    job = f"{scheduler.capitalize()} job {record.job_id}"
+    state = info.native_state.split()[0] if info.native_state else info.state.value
+    code = f", exit code {info.exit_code}" if info.exit_code else ""
+    hints = {
+        JobState.TIMEOUT: f"{state} after {record.time_limit or '?'}: the job hit its time limit; "
+        "raise 'Maximum time (D-HH:MM)' or lower the epochs or samples per label",
+        JobState.OUT_OF_MEMORY: f"{state} with {record.memory_mb} MB: the job ran out of memory; "
+        "raise 'Maximum memory (MB)' or lower the patch size or samples per label",
+        JobState.CANCELLED: f"{state}: the job was cancelled (by an operator or the scheduler); resubmit it",
+        JobState.FAILED: f"{state}{code}: the training job crashed without replying; "
+        f"see its log in the bridge's spool (jobs/{record.key}/)",
+        JobState.COMPLETED: f"{state}{code}: the job finished without sending its models; "
+        f"see its log in the bridge's spool (jobs/{record.key}/)",
+        JobState.NODE_FAIL: f"{state}: the compute node failed; resubmit the job",
+        JobState.PREEMPTED: f"{state}: the job was preempted by the scheduler; resubmit the job",
+        JobState.BOOT_FAIL: f"{state}: the compute node failed to boot; resubmit the job",
+        JobState.DEADLINE: f"{state}: the job missed its scheduling deadline; resubmit the job",
+    }
+    return f"{job} ended without a result: {hints.get(info.state, state)}"
+
+
+class Reconciler:
+    def __init__(
+        self, config: BridgeConfig, spool: Spool, ledger: Ledger, scheduler: Scheduler, replies: ReplyBox
+    ) -> None:
+        self.config = config
+        self.spool = spool
+        self.ledger = ledger
+        self.scheduler = scheduler
+        self.replies = replies
+
+    def settle(self) -> int:
+        """Mark requests whose reply marker exists as replied. Cheap: files only."""
+        settled = 0
+        for record in self.ledger.in_state(RequestState.SUBMITTED, RequestState.SUBMITTING, RequestState.RECEIVED):
+            marker = self.replies.marker(record.correlation_id)
+            if marker is None:
+                continue
+            record.state = RequestState.REPLIED
+            record.outcome = str(marker.get("outcome", ""))
+            record.replied_at = float(marker.get("published_at", time.time()))
+            self.ledger.save(record)
+            settled += 1
+            log.info(
+                "request_replied",
+                correlation_id=record.correlation_id,
+                job_id=record.job_id,
+                outcome=record.outcome,
+                latency_s=round(record.replied_at - record.created_at, 3),
+            )
+        return settled
+
+    def reconcile(self) -> int:
+        """Query the scheduler about every watched job; stage error replies for dead ones."""
+        self.settle()
+        watched = [r for r in self.ledger.in_state(RequestState.SUBMITTED) if r.job_id]
+        if not watched:
+            return 0
+        try:
+            infos = self.scheduler.query([r.job_id for r in watched])
+        except SchedulerUnavailable as exc:
+            log.warning("reconcile_scheduler_unavailable", error=str(exc), watched=len(watched))
+            return 0
+        staged = {entry.key for entry in self.replies.staged()}
+        judged = 0
+        now = time.time()
+        for record in watched:
+            with structlog.contextvars.bound_contextvars(correlation_id=record.correlation_id, job_id=record.job_id):
+                # The marker is checked after the query: a job that replied and then
+                # ended is seen as replied, never as "ended without reply".
+                if self.replies.already_replied(record.correlation_id) or record.key in staged:
+                    continue
+                info = infos.get(record.job_id)
+                if info is None or info.state is JobState.MISSING:
+                    judged += self._missing(record, now)
+                    continue
+                if record.job_state != info.native_state:
+                    log.info("job_state", state=info.state.value, native=info.native_state, source=info.source)
+                record.job_state = info.native_state
+                record.missing_since = 0.0
+                if info.state.is_terminal:
+                    reason = explain(record, info, self.scheduler.name)
+                    log.error("job_ended_without_reply", state=info.state.value, reason=reason)
+                    record.reason = reason
+                    self.replies.stage(record.correlation_id, record.reply_to, error_reply(reason), origin="reconcile")
+                    judged += 1
+                self.ledger.save(record)
+        log.info("reconcile_done", watched=len(watched), judged=judged)
+        return judged
+
+    def _missing(self, record: RequestRecord, now: float) -> int:
+        if not record.missing_since:
+            record.missing_since = now
+            self.ledger.save(record)
+            log.warning("job_missing", note="not in the queue nor in accounting; waiting before judging")
+            return 0
+        if now - record.missing_since < self.config.missing_timeout_s:
+            return 0
+        reason = (
+            f"{self.scheduler.name.capitalize()} job {record.job_id} vanished: neither the queue nor accounting "
+            f"has known it for {int(now - record.missing_since)} s; resubmit the job"
+        )
+        log.error("job_vanished", reason=reason)
+        record.reason = reason
+        self.ledger.save(record)
+        self.replies.stage(record.correlation_id, record.reply_to, error_reply(reason), origin="reconcile")
+        return 1

@@ -1,0 +1,151 @@
+"""Replies to Rodan: staged on disk first, published with confirms, marked once sent.
+
+Exactly one final reply per request is the contract. The protocol here:
+
+1. ``stage``: write the reply body, then its metadata, into ``SPOOL/outbox``
+   (the metadata file's presence means the entry is complete).
+2. ``publish_staged``: publish with publisher confirms; on the confirm, write
+   ``SPOOL/replies/KEY.json`` (the "replied" marker), then drop the outbox entry.
+3. Whoever finds a staged entry later (the bridge on every pass) publishes it,
+   unless the marker already exists.
+
+So a reply that could not be published (broker down) is never lost, and a
+request with a marker is never answered again. The worker and the bridge both
+use this class; it needs the spool to be on storage both can reach.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+from pika.adapters.blocking_connection import BlockingChannel
+
+from bridge.amqp import publish
+from bridge.errors import PermanentError
+from bridge.protocol import error_reply, reply_is_error
+from bridge.spool import Spool, atomic_write, atomic_write_json, read_json, safe_key
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class StagedReply:
+    key: str
+    correlation_id: str
+    reply_to: str
+    body_path: Path
+    meta_path: Path
+    origin: str
+
+
+class ReplyBox:
+    def __init__(self, spool: Spool, *, max_bytes: int = 128 * 1024 * 1024) -> None:
+        self.spool = spool
+        self.max_bytes = max_bytes
+
+    def already_replied(self, correlation_id: str) -> bool:
+        return self.spool.reply_marker(safe_key(correlation_id)).exists()
+
+    def marker(self, correlation_id: str) -> dict[str, Any] | None:
+        path = self.spool.reply_marker(safe_key(correlation_id))
+        if not path.exists():
+            return None
+        data = read_json(path)
+        return data if isinstance(data, dict) else None
+
+    def stage(self, correlation_id: str, reply_to: str, body: bytes, *, origin: str) -> StagedReply:
+        """Keep the reply on disk until it is confirmed. An oversized reply becomes an error reply."""
+        if len(body) > self.max_bytes:
+            reason = (
+                f"the reply is {len(body)} bytes, larger than the broker's message limit of "
+                f"{self.max_bytes} bytes (HPC_MAX_REPLY_BYTES / RabbitMQ max_message_size); "
+                "train fewer layers per request or raise the broker's limit"
+            )
+            log.error("reply_too_large", bytes=len(body), limit=self.max_bytes)
+            body = error_reply(reason)
+        key = safe_key(correlation_id)
+        body_path = self.spool.outbox_dir / f"{key}.body"
+        meta_path = self.spool.outbox_dir / f"{key}.json"
+        atomic_write(body_path, body)
+        meta = {
+            "correlation_id": correlation_id,
+            "reply_to": reply_to,
+            "origin": origin,
+            "bytes": len(body),
+            "outcome": "error" if reply_is_error(body) else "ok",
+            "staged_at": time.time(),
+        }
+        atomic_write_json(meta_path, meta)
+        log.info("reply_staged", bytes=len(body), origin=origin, outcome=meta["outcome"])
+        return StagedReply(key, correlation_id, reply_to, body_path, meta_path, origin)
+
+    def staged(self) -> list[StagedReply]:
+        entries = []
+        for meta_path in sorted(self.spool.outbox_dir.glob("*.json")):
+            try:
+                meta = read_json(meta_path)
+            except (OSError, ValueError):
+                continue
+            key = meta_path.stem
+            entries.append(
+                StagedReply(
+                    key,
+                    str(meta["correlation_id"]),
+                    str(meta["reply_to"]),
+                    meta_path.with_suffix(".body"),
+                    meta_path,
+                    str(meta.get("origin", "")),
+                )
+            )
+        return entries
+
+    def publish_staged(self, channel: BlockingChannel, entry: StagedReply) -> bool:
+        """Publish one staged reply (confirm mode channel). False if it had been sent already."""
+        marker = self.spool.reply_marker(entry.key)
+        if marker.exists():
+            self._drop(entry)
+            return False
+        body = entry.body_path.read_bytes()
+        outcome = "error" if reply_is_error(body) else "ok"
+        try:
+            publish(channel, entry.reply_to, body, correlation_id=entry.correlation_id, persistent=True)
+        except PermanentError as exc:
+            # The reply queue is gone or the broker refused the size: say so in a small error reply.
+            if reply_is_error(body):
+                raise
+            log.error("reply_refused", error=str(exc), bytes=len(body))
+            body = error_reply(f"the models could not be delivered: {exc}")
+            outcome = "error"
+            publish(channel, entry.reply_to, body, correlation_id=entry.correlation_id, persistent=True)
+        atomic_write_json(
+            marker,
+            {
+                "correlation_id": entry.correlation_id,
+                "outcome": outcome,
+                "bytes": len(body),
+                "origin": entry.origin,
+                "published_at": time.time(),
+            },
+        )
+        self._drop(entry)
+        log.info("reply_published", outcome=outcome, bytes=len(body), origin=entry.origin)
+        return True
+
+    def flush(self, channel: BlockingChannel, keep_going: Callable[[], bool] = lambda: True) -> int:
+        """Publish every staged reply; returns how many went out."""
+        sent = 0
+        for entry in self.staged():
+            if not keep_going():
+                break
+            if self.publish_staged(channel, entry):
+                sent += 1
+        return sent
+
+    def _drop(self, entry: StagedReply) -> None:
+        entry.meta_path.unlink(missing_ok=True)
+        entry.body_path.unlink(missing_ok=True)

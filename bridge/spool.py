@@ -1,0 +1,126 @@
+"""The private spool: where the bridge and its jobs keep state on shared storage.
+
+Layout (directory 0700, files 0600)::
+
+    SPOOL/
+      bridge.lock          held by the one bridge process working at a time
+      ledger/KEY.json      the bridge's record of each request (see ledger.py)
+      params/KEY.json      parameter file for the job (holds the token; the worker deletes it)
+      jobs/KEY/            batch script and scheduler output of the request's job
+      outbox/KEY.{body,json}  a reply waiting to be published (see replies.py)
+      replies/KEY.json     marker: the final reply of this request was published
+
+KEY is the correlation id when it is a safe file name, else its SHA-256.
+Every write is atomic: temp file, flush, fsync, ``os.replace``, directory fsync.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import re
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+_SAFE_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def safe_key(correlation_id: str) -> str:
+    """A file-name-safe key for a correlation id (which comes from the network)."""
+    if _SAFE_KEY.match(correlation_id):
+        return correlation_id
+    return "sha256-" + hashlib.sha256(correlation_id.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def atomic_write(path: Path, data: bytes, *, mode: int = 0o600) -> None:
+    """Replace ``path`` with ``data`` so that a crash leaves the old or the new file, never a mix."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_json(path: Path, obj: Any, *, mode: int = 0o600) -> None:
+    atomic_write(path, json.dumps(obj, indent=1, sort_keys=True).encode("utf-8"), mode=mode)
+
+
+def read_json(path: Path) -> Any:
+    with path.open("rb") as handle:
+        return json.load(handle)
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Spool:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def ensure(self) -> Spool:
+        """Create the layout, private to the owner (also tightens an existing spool)."""
+        for sub in ("", "ledger", "params", "jobs", "outbox", "replies"):
+            directory = self.root / sub
+            directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+            os.chmod(directory, 0o700)
+        return self
+
+    @property
+    def ledger_dir(self) -> Path:
+        return self.root / "ledger"
+
+    @property
+    def outbox_dir(self) -> Path:
+        return self.root / "outbox"
+
+    @property
+    def replies_dir(self) -> Path:
+        return self.root / "replies"
+
+    def params_path(self, key: str) -> Path:
+        return self.root / "params" / f"{key}.json"
+
+    def job_dir(self, key: str) -> Path:
+        return self.root / "jobs" / key
+
+    def reply_marker(self, key: str) -> Path:
+        return self.replies_dir / f"{key}.json"
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[bool]:
+        """Yield True when this process holds the bridge lock, False if another one does."""
+        self.ensure()
+        fd = os.open(self.root / "bridge.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                yield False
+                return
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            try:
+                yield True
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)

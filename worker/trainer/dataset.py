@@ -1,0 +1,92 @@
+"""Batches of patches built on the fly from the uint8 page and the sampled centres.
+
+Nothing float is kept between batches: the page stays uint8, each layer's mask bool, the
+samples an ``(n, 2)`` int array. A batch of 16 256x256 patches is 12.6 MB of float32,
+where the original's float64 arrays for 10,000 samples per label took gigabytes.
+"""
+
+from __future__ import annotations
+
+import math
+import numpy as np
+import numpy.typing as npt
+from numpy.lib.stride_tricks import sliding_window_view
+
+from worker.trainer._tf import keras
+from worker.trainer.sampling import Centres
+
+#: ``INPUT_LOOKUP[v] == float32((255 - v) / 255)`` computed in float64 as the original
+#: did: ink becomes high, paper low.
+INPUT_LOOKUP: npt.NDArray[np.float32] = ((255.0 - np.arange(256, dtype=np.float64)) / 255.0).astype(np.float32)
+
+
+def split_validation(centres: Centres, validation_split: float) -> tuple[Centres, Centres]:
+    """Split like Keras' ``fit(validation_split=...)``: the last part, in order, validates.
+
+    The training part is the first ``floor(n * (1 - validation_split))`` samples.
+    """
+    split_at = int(math.floor(len(centres) * (1.0 - validation_split)))
+    return centres[:split_at], centres[split_at:]
+
+
+def network_input(image_patches: npt.NDArray[np.uint8]) -> npt.NDArray[np.float32]:
+    """RGB uint8 patches ``(..., 3)`` to what the network sees.
+
+    Channels are reversed to BGR because Rodan reads pages with OpenCV (``cv2.imread``),
+    both when it trained these models and when its classifier applies them; then
+    ``(255 - v) / 255``.
+    """
+    return INPUT_LOOKUP[image_patches[..., ::-1]]
+
+
+class PatchDataset(keras.utils.PyDataset):  # type: ignore[misc]
+    """A Keras dataset of ``(x, y)`` batches for one layer.
+
+    ``x`` is float32 ``(b, ph, pw, 3)`` (see :func:`network_input`), ``y`` float32
+    ``(b, ph, pw, 1)``, 1 where the layer is. With ``shuffle_rng`` the order is a fresh
+    permutation at the start of every epoch (what ``fit(shuffle=True)`` does to the
+    training part); without it the samples keep their order (validation data).
+    """
+
+    def __init__(
+        self,
+        image: npt.NDArray[np.uint8],
+        mask: npt.NDArray[np.bool_],
+        centres: Centres,
+        patch_height: int,
+        patch_width: int,
+        batch_size: int,
+        shuffle_rng: np.random.Generator | None = None,
+    ) -> None:
+        super().__init__()
+        self._images = sliding_window_view(image, (patch_height, patch_width, image.shape[2]))
+        self._masks = sliding_window_view(mask, (patch_height, patch_width))
+        self._corners = np.asarray(centres, dtype=np.int64) - np.array([patch_height // 2, patch_width // 2])
+        self._batch_size = batch_size
+        self._rng = shuffle_rng
+        self._order: npt.NDArray[np.int64] = np.arange(len(self._corners), dtype=np.int64)
+
+    @property
+    def samples(self) -> int:
+        return len(self._corners)
+
+    def __len__(self) -> int:
+        return math.ceil(len(self._corners) / self._batch_size)
+
+    def on_epoch_begin(self) -> None:
+        if self._rng is not None:
+            # A new array rather than an in-place shuffle: Keras may still be prefetching
+            # from the previous order in another thread.
+            self._order = self._rng.permutation(len(self._corners))
+
+    def __getitem__(self, index: int) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        chosen = self._order[index * self._batch_size : (index + 1) * self._batch_size]
+        rows, cols = self._corners[chosen, 0], self._corners[chosen, 1]
+        x = network_input(self._images[rows, cols, 0])
+        y = self._masks[rows, cols].astype(np.float32)[..., np.newaxis]
+        return x, y
+
+    def __repr__(self) -> str:
+        return f"PatchDataset(samples={self.samples}, batch_size={self._batch_size}, shuffle={self._rng is not None})"

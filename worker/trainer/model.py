@@ -1,0 +1,70 @@
+"""The patchwise selectional auto-encoder (SAE) of Calvo-Zaragoza et al., as Rodan trains it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from worker.trainer._tf import keras
+
+#: Width of the first block; the others are multiples of it.
+FILTERS = 32
+LEARNING_RATE = 1e-4
+#: Trainable parameters of the network; it is fully convolutional, so this does not depend
+#: on the patch size.
+PARAMETER_COUNT = 1_429_733
+
+
+def _conv(filters: int, size: int) -> Any:
+    return keras.layers.Conv2D(
+        filters, size, activation="relu", padding="same", kernel_initializer="he_normal"
+    )
+
+
+def build_sae(height: int, width: int) -> Any:
+    """Return the uncompiled SAE for ``height`` x ``width`` RGB patches.
+
+    Two convolutions per level down (32, 64 filters, 2x2 max-pooling after each), a
+    256-filter bottleneck of two convolutions, two up-sampling levels that each
+    concatenate with the matching down level (U-Net style), and a 1x1 sigmoid output:
+    one probability per pixel that it belongs to the layer.
+    """
+    ff = FILTERS
+    inputs = keras.Input(shape=(height, width, 3))
+    conv1 = _conv(ff, 3)(inputs)
+    conv1 = _conv(ff, 3)(conv1)
+    pool1 = keras.layers.MaxPooling2D(pool_size=(2, 2))(conv1)
+    conv2 = _conv(ff * 2, 3)(pool1)
+    conv2 = _conv(ff * 2, 3)(conv2)
+    pool2 = keras.layers.MaxPooling2D(pool_size=(2, 2))(conv2)
+
+    conv3 = _conv(ff * 8, 3)(pool2)
+    conv7 = _conv(ff * 8, 3)(conv3)
+
+    up8 = _conv(ff * 4, 2)(keras.layers.UpSampling2D(size=(2, 2))(conv7))
+    merge8 = keras.layers.Concatenate(axis=3)([conv2, up8])
+    conv8 = _conv(ff * 4, 3)(merge8)
+    conv8 = _conv(ff * 4, 3)(conv8)
+
+    up9 = _conv(ff * 2, 2)(keras.layers.UpSampling2D(size=(2, 2))(conv8))
+    merge9 = keras.layers.Concatenate(axis=3)([conv1, up9])
+    conv9 = _conv(ff * 2, 3)(merge9)
+    conv9 = _conv(ff * 2, 3)(conv9)
+    conv9 = _conv(2, 3)(conv9)
+    outputs = keras.layers.Conv2D(1, 1, activation="sigmoid")(conv9)
+    return keras.Model(inputs=inputs, outputs=outputs)
+
+
+def compile_sae(model: Any) -> None:
+    """Compile ``model`` as the original does: Adam(1e-4), binary cross-entropy, accuracy."""
+    model.compile(
+        optimizer=keras.optimizers.Adam(learning_rate=LEARNING_RATE),
+        loss="binary_crossentropy",
+        metrics=["accuracy"],
+    )
+
+
+def get_sae(height: int, width: int) -> Any:
+    """Return the SAE, compiled for training (the original's ``get_sae``)."""
+    model = build_sae(height, width)
+    compile_sae(model)
+    return model

@@ -1,0 +1,55 @@
+"""Training settings (the Rodan job settings the trainer understands)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from worker.trainer.errors import TrainingInputError
+
+#: The network pools twice by 2 and concatenates the up-sampled maps with the earlier
+#: ones, so a patch side must be a multiple of 4 or the shapes do not line up.
+PATCH_MULTIPLE = 4
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """How to train one page.
+
+    ``epochs`` is Rodan's "Maximum number of training epochs" (early stopping may end
+    sooner), ``max_samples_per_label`` its "Maximum number of samples per label".
+    ``include_optimizer`` keeps the Adam state in the saved files (three times larger;
+    Rodan only infers, so it is off by default).
+    """
+
+    epochs: int = 15
+    max_samples_per_label: int = 10000
+    patch_height: int = 256
+    patch_width: int = 256
+    batch_size: int = 16
+    patience: int = 3
+    validation_split: float = 0.2
+    seed: int | None = None
+    include_optimizer: bool = False
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1:
+            raise TrainingInputError(f"the number of training epochs must be at least 1, not {self.epochs}")
+        if self.max_samples_per_label < 1:
+            raise TrainingInputError(
+                f"the maximum number of samples per label must be at least 1, not {self.max_samples_per_label}"
+            )
+        for name, value in (("height", self.patch_height), ("width", self.patch_width)):
+            if value < PATCH_MULTIPLE or value % PATCH_MULTIPLE:
+                raise TrainingInputError(
+                    f"the patch {name} must be a positive multiple of {PATCH_MULTIPLE}, not {value}"
+                )
+        if self.batch_size < 1:
+            raise TrainingInputError(f"the batch size must be at least 1, not {self.batch_size}")
+        if self.patience < 0:
+            raise TrainingInputError(f"the early-stopping patience cannot be negative ({self.patience})")
+        if not 0.0 < self.validation_split < 1.0:
+            raise TrainingInputError(
+                f"the validation split must lie strictly between 0 and 1, not {self.validation_split}"
+            )
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise TrainingInputError(f"the seed must be a non-negative integer below 2**63, not {self.seed}")
