@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "--credentials", type=Path, help="credentials.env to read (default: $HPC_BRIDGE_CREDENTIALS or ./credentials.env)"
+        "--credentials", type=Path, help="credentials.env (default: $HPC_BRIDGE_CREDENTIALS or ./credentials.env)"
     )
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser(

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 from dotenv import dotenv_values
 
@@ -75,8 +75,9 @@ class BridgeConfig:
 
     @property
     def secrets(self) -> list[str]:
-        parts = urlsplit(self.broker_url)
-        return [s for s in (self.rodan_password, parts.password or "") if s]
+        """Every value that must never be logged (the URL password both quoted and plain)."""
+        password = urlsplit(self.broker_url).password or ""
+        return [s for s in {self.rodan_password, password, unquote(password)} if s]
 
 
 def read_settings(credentials: Path | None = None, environ: Mapping[str, str] | None = None) -> dict[str, str]:

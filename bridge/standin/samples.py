@@ -215,7 +215,10 @@ def _draw_labels(rng: np.random.Generator, h: int, w: int, n_classes: int) -> np
     letter_h = max(3, round(1.5 * s))
     system_h = staff_h + 2 * s + letter_h + 2 * s
     margin = 2 * s
-    n_systems = max(1, (h - 2 * margin + 2 * s) // system_h)
+    # With extra symbol classes, the bottom of the page is kept for them (see _draw_extra_classes).
+    band = 0.0 if n_classes <= 3 else min(0.6, 0.08 * (n_classes - 3))
+    usable_h = round(h * (1.0 - band))
+    n_systems = max(1, (usable_h - 2 * margin + 2 * s) // system_h)
     x0, x1 = margin, w - margin
     draw = [k < n_classes for k in range(3)]
     for i in range(n_systems):
@@ -257,7 +260,7 @@ def _draw_labels(rng: np.random.Generator, h: int, w: int, n_classes: int) -> np
                     x += lw + int(rng.integers(1, 3))
                 x += 2 * s
     if n_classes > 3:
-        _draw_extra_classes(rng, labels, s, n_classes)
+        _draw_extra_classes(rng, labels, s, n_classes, margin + s + n_systems * system_h)
     return labels
 
 
@@ -291,24 +294,25 @@ def _extra_shape(kind: int, size: int) -> npt.NDArray[np.bool_]:
     return m
 
 
-def _draw_extra_classes(rng: np.random.Generator, labels: npt.NDArray[np.int8], s: int, n_classes: int) -> None:
-    """Scatter the symbols of classes 3.. on background only, padded so they touch nothing else."""
+def _draw_extra_classes(
+    rng: np.random.Generator, labels: npt.NDArray[np.int8], s: int, n_classes: int, band_top: int
+) -> None:
+    """Lay the symbols of classes 3.. out on a jittered grid in the band below the last system."""
     h, w = labels.shape
-    size = 2 * s + 1
-    pad = 1
-    target = max(60, h * w // 90)
-    for k in range(3, n_classes):
-        shape = _extra_shape(k - 3, size)
-        count = 0
-        for _ in range(4000):
-            if count >= target:
-                break
-            y = int(rng.integers(pad, h - size - pad))
-            x = int(rng.integers(pad, w - size - pad))
-            if labels[y - pad : y + size + pad, x - pad : x + size + pad].any():
-                continue
-            labels[y : y + size, x : x + size][shape] = k + 1
-            count += int(shape.sum())
+    size = 2 * s - 1
+    cell = size + 3  # one free pixel all round, plus one of jitter
+    margin = 2 * s
+    rows = max(0, (h - margin - band_top) // cell)
+    cols = max(0, (w - 2 * margin) // cell)
+    cells = [(band_top + r * cell, margin + c * cell) for r in range(rows) for c in range(cols)]
+    order = rng.permutation(len(cells))
+    n_extra = n_classes - 3
+    for i, idx in enumerate(order):
+        k = 3 + i % n_extra
+        y, x = cells[int(idx)]
+        y += 1 + int(rng.integers(0, 2))
+        x += 1 + int(rng.integers(0, 2))
+        labels[y : y + size, x : x + size][_extra_shape(k - 3, size)] = k + 1
 
 
 def _render(rng: np.random.Generator, labels: npt.NDArray[np.int8], n_classes: int) -> npt.NDArray[np.uint8]:
@@ -371,7 +375,7 @@ def _load_rgba_rows(path: Path, bottom: int) -> PILImage.Image:
         and not image.info.get("interlace")
         and len(tile) == 1
         and tile[0][0] == "zip"
-        and tuple(tile[0][1]) == (0, 0, width, height)
+        and tile[0][1] == (0, 0, width, height)
     ):
         try:
             image._size = (width, bottom)

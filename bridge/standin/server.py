@@ -411,6 +411,7 @@ class RodanStandin:
         self._connections: set[socket.socket] = set()
         self._stopping = threading.Event()
         self._server: _Server | None = None
+        self._bound_port = 0
         self._thread: threading.Thread | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -419,8 +420,10 @@ class RodanStandin:
         if self._server is not None:
             return self
         self._stopping.clear()
-        server = _Server((self._host, self._port), self)
+        # A restart binds the port of the first start again: the same URL, as when Rodan restarts.
+        server = _Server((self._host, self._bound_port or self._port), self)
         self._server = server
+        self._bound_port = int(server.server_address[1])
         self._thread = threading.Thread(
             target=server.serve_forever, kwargs={"poll_interval": 0.05}, name="rodan-standin", daemon=True
         )
@@ -463,9 +466,10 @@ class RodanStandin:
 
     @property
     def port(self) -> int:
-        if self._server is None:
-            raise RuntimeError("the stand-in is not started")
-        return int(self._server.server_address[1])
+        """The bound port (still known after :meth:`stop`; a restart binds it again)."""
+        if not self._bound_port:
+            raise RuntimeError("the stand-in was never started")
+        return self._bound_port
 
     @property
     def host_port(self) -> str:

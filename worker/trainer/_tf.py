@@ -11,8 +11,8 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # hide C++ INFO and WARNING lines (oneDNN, CUDA probes)
 
-import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import keras
+import tensorflow as tf
 
 tf.get_logger().setLevel("ERROR")
 

@@ -8,6 +8,7 @@ where the original's float64 arrays for 10,000 samples per label took gigabytes.
 from __future__ import annotations
 
 import math
+
 import numpy as np
 import numpy.typing as npt
 from numpy.lib.stride_tricks import sliding_window_view
@@ -25,7 +26,7 @@ def split_validation(centres: Centres, validation_split: float) -> tuple[Centres
 
     The training part is the first ``floor(n * (1 - validation_split))`` samples.
     """
-    split_at = int(math.floor(len(centres) * (1.0 - validation_split)))
+    split_at = math.floor(len(centres) * (1.0 - validation_split))
     return centres[:split_at], centres[split_at:]
 
 

@@ -14,9 +14,9 @@ LEARNING_RATE = 1e-4
 PARAMETER_COUNT = 1_429_733
 
 
-def _conv(filters: int, size: int) -> Any:
+def _conv(filters: int, size: int, name: str) -> Any:
     return keras.layers.Conv2D(
-        filters, size, activation="relu", padding="same", kernel_initializer="he_normal"
+        filters, size, activation="relu", padding="same", kernel_initializer="he_normal", name=name
     )
 
 
@@ -26,32 +26,36 @@ def build_sae(height: int, width: int) -> Any:
     Two convolutions per level down (32, 64 filters, 2x2 max-pooling after each), a
     256-filter bottleneck of two convolutions, two up-sampling levels that each
     concatenate with the matching down level (U-Net style), and a 1x1 sigmoid output:
-    one probability per pixel that it belongs to the layer.
+    one probability per pixel that it belongs to the layer. Layers are named (the
+    original's were Keras' automatic names) so that every model, whenever it is built in
+    the process, has the same layer and optimizer-variable names.
     """
     ff = FILTERS
-    inputs = keras.Input(shape=(height, width, 3))
-    conv1 = _conv(ff, 3)(inputs)
-    conv1 = _conv(ff, 3)(conv1)
-    pool1 = keras.layers.MaxPooling2D(pool_size=(2, 2))(conv1)
-    conv2 = _conv(ff * 2, 3)(pool1)
-    conv2 = _conv(ff * 2, 3)(conv2)
-    pool2 = keras.layers.MaxPooling2D(pool_size=(2, 2))(conv2)
+    inputs = keras.Input(shape=(height, width, 3), name="image")
+    conv1 = _conv(ff, 3, "conv1_1")(inputs)
+    conv1 = _conv(ff, 3, "conv1_2")(conv1)
+    pool1 = keras.layers.MaxPooling2D(pool_size=(2, 2), name="pool1")(conv1)
+    conv2 = _conv(ff * 2, 3, "conv2_1")(pool1)
+    conv2 = _conv(ff * 2, 3, "conv2_2")(conv2)
+    pool2 = keras.layers.MaxPooling2D(pool_size=(2, 2), name="pool2")(conv2)
 
-    conv3 = _conv(ff * 8, 3)(pool2)
-    conv7 = _conv(ff * 8, 3)(conv3)
+    conv3 = _conv(ff * 8, 3, "conv3")(pool2)
+    conv7 = _conv(ff * 8, 3, "conv7")(conv3)
 
-    up8 = _conv(ff * 4, 2)(keras.layers.UpSampling2D(size=(2, 2))(conv7))
-    merge8 = keras.layers.Concatenate(axis=3)([conv2, up8])
-    conv8 = _conv(ff * 4, 3)(merge8)
-    conv8 = _conv(ff * 4, 3)(conv8)
+    up8 = keras.layers.UpSampling2D(size=(2, 2), name="up8")(conv7)
+    up8 = _conv(ff * 4, 2, "up8_conv")(up8)
+    merge8 = keras.layers.Concatenate(axis=3, name="merge8")([conv2, up8])
+    conv8 = _conv(ff * 4, 3, "conv8_1")(merge8)
+    conv8 = _conv(ff * 4, 3, "conv8_2")(conv8)
 
-    up9 = _conv(ff * 2, 2)(keras.layers.UpSampling2D(size=(2, 2))(conv8))
-    merge9 = keras.layers.Concatenate(axis=3)([conv1, up9])
-    conv9 = _conv(ff * 2, 3)(merge9)
-    conv9 = _conv(ff * 2, 3)(conv9)
-    conv9 = _conv(2, 3)(conv9)
-    outputs = keras.layers.Conv2D(1, 1, activation="sigmoid")(conv9)
-    return keras.Model(inputs=inputs, outputs=outputs)
+    up9 = keras.layers.UpSampling2D(size=(2, 2), name="up9")(conv8)
+    up9 = _conv(ff * 2, 2, "up9_conv")(up9)
+    merge9 = keras.layers.Concatenate(axis=3, name="merge9")([conv1, up9])
+    conv9 = _conv(ff * 2, 3, "conv9_1")(merge9)
+    conv9 = _conv(ff * 2, 3, "conv9_2")(conv9)
+    conv9 = _conv(2, 3, "conv9_3")(conv9)
+    outputs = keras.layers.Conv2D(1, 1, activation="sigmoid", name="probability")(conv9)
+    return keras.Model(inputs=inputs, outputs=outputs, name="sae")
 
 
 def compile_sae(model: Any) -> None:

@@ -44,7 +44,8 @@ def _open(path: Path, what: str) -> Image.Image:
     try:
         with Image.open(path) as opened:
             opened.load()
-            return opened.copy()
+            loaded: Image.Image = opened.copy()
+            return loaded
     except FileNotFoundError:
         raise
     except (UnidentifiedImageError, Image.DecompressionBombError, OSError, SyntaxError, ValueError) as exc:
@@ -76,7 +77,8 @@ def _opaque(image: Image.Image, what: str, path: Path) -> npt.NDArray[np.bool_]:
             f"pixels are opaque (alpha {OPAQUE}) where the {what} is"
         )
     alpha = image.getchannel("A") if image.mode in ("RGBA", "LA", "PA") else image.convert("RGBA").getchannel("A")
-    return np.asarray(alpha, dtype=np.uint8) == OPAQUE
+    opaque: npt.NDArray[np.bool_] = np.asarray(alpha, dtype=np.uint8) == OPAQUE
+    return opaque
 
 
 def _check_size(width: int, height: int, image: Image.Image, what: str) -> None:
@@ -87,9 +89,7 @@ def _check_size(width: int, height: int, image: Image.Image, what: str) -> None:
         )
 
 
-def load_page(
-    image_path: Path, layer_paths: Mapping[str, Path], selected_regions_path: Path | None
-) -> Page:
+def load_page(image_path: Path, layer_paths: Mapping[str, Path], selected_regions_path: Path | None) -> Page:
     """Load a page as Rodan's trainer does.
 
     The image may be any format Pillow decodes (PNG or JPEG in practice); RGBA and grey

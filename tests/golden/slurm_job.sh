@@ -1,0 +1,24 @@
+#!/bin/bash
+# Batch job rendered by hpc-bridge for one Rodan training request.
+# Directives come from validated settings only; no secret is written here
+# (the Rodan token lives in the 0600 parameter file the worker reads and deletes).
+#SBATCH --job-name=rodan-3f2b8c1e-0d4a-4c1b-9a57-6f1f0c3e2d10
+#SBATCH --comment=3f2b8c1e-0d4a-4c1b-9a57-6f1f0c3e2d10
+#SBATCH --time=0-06:00
+#SBATCH --mem=16000M
+#SBATCH --nodes=1
+#SBATCH --ntasks=1
+#SBATCH --cpus-per-task=6
+#SBATCH --output=/spool/jobs/3f2b/job-%j.out
+#SBATCH --open-mode=append
+#SBATCH --gres=gpu:1
+#SBATCH --account=def-lab
+#SBATCH --partition=gpu
+#SBATCH --mail-user=lab@example.org
+#SBATCH --mail-type=END,FAIL
+
+set -euo pipefail
+umask 077
+cd /spool/jobs/3f2b
+echo "hpc-bridge job rodan-3f2b8c1e-0d4a-4c1b-9a57-6f1f0c3e2d10: $(date -u +%FT%TZ) on $(hostname) (job ${SLURM_JOB_ID:-?}, restart ${SLURM_RESTART_COUNT:-0})"
+exec /opt/venv/bin/python -m worker run /spool/params/3f2b.json

@@ -1,0 +1,112 @@
+"""Configuration: every setting read, named in errors, credentials file kept private."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from bridge.config import GpuRule, load_config, parse_gpu_rules
+from bridge.errors import ConfigError
+
+BASE = {
+    "RABBITMQ_HOST": "mq.example.org",
+    "RABBITMQ_USER": "hpc",
+    "RABBITMQ_PASSWORD": "p@ss/word",
+    "RODAN_HOST": "rodan.example.org",
+    "RODAN_USER": "hpc@example.org",
+    "RODAN_PASSWORD": "secret",
+}
+
+
+def test_seed_variable_names_build_an_amqp_url_with_quoted_password() -> None:
+    config = load_config(environ=BASE)
+    assert config.broker_url == "amqp://hpc:p%40ss%2Fword@mq.example.org:5672/%2F"
+    assert config.rodan_base_url == "https://rodan.example.org"
+    assert config.rodan_email == "hpc@example.org"
+    assert config.request_queue == "hpc-jobs" and config.reply_queue == "hpc-results"
+
+
+def test_tls_broker_defaults_to_5671() -> None:
+    config = load_config(environ={**BASE, "RABBITMQ_TLS": "true"})
+    assert config.broker_url.startswith("amqps://") and ":5671/" in config.broker_url
+
+
+def test_rabbitmq_url_wins_and_is_checked() -> None:
+    config = load_config(environ={**BASE, "RABBITMQ_URL": "amqps://u:p@h:5671/%2F"})
+    assert config.broker_url == "amqps://u:p@h:5671/%2F"
+    with pytest.raises(ConfigError, match="RABBITMQ_URL"):
+        load_config(environ={**BASE, "RABBITMQ_URL": "http://h/"})
+
+
+@pytest.mark.parametrize("missing", ["RODAN_HOST", "RODAN_PASSWORD", "RABBITMQ_HOST"])
+def test_missing_settings_are_named(missing: str) -> None:
+    env = {k: v for k, v in BASE.items() if k != missing}
+    with pytest.raises(ConfigError, match=missing):
+        load_config(environ=env)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("HPC_MAX_ATTEMPTS", "many"),
+        ("HPC_MAX_ATTEMPTS", "0"),
+        ("HPC_RECONCILE_INTERVAL", "-1"),
+        ("RODAN_SCHEME", "ftp"),
+        ("RODAN_HOST", "https://rodan.example.org/"),
+        ("HPC_GPU_RULES", "big=gpu:1"),
+        ("HPC_GPU_RULES", "gpu 1"),
+        ("HPC_SCHEDULER_ARGS", "--qos='unclosed"),
+        ("HPC_SCHEDULER", "pbs"),
+        ("RABBITMQ_PORT", "amqp"),
+    ],
+)
+def test_malformed_settings_are_named(name: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=name):
+        load_config(environ={**BASE, name: value})
+
+
+def test_gpu_rules_pick_the_largest_threshold_below_the_memory() -> None:
+    rules = parse_gpu_rules("gpu:1; 128000=gpu:v100l:1")
+    assert rules == (GpuRule(0, "gpu:1"), GpuRule(128000, "gpu:v100l:1"))
+    config = load_config(environ={**BASE, "HPC_GPU_RULES": "gpu:1;128000=gpu:v100l:1"})
+    assert config.gres_for(4096) == "gpu:1"
+    assert config.gres_for(257000) == "gpu:v100l:1"
+    assert load_config(environ={**BASE, "HPC_GPU_RULES": "none"}).gres_for(4096) is None
+
+
+def test_credentials_file_is_read_and_environment_overrides(tmp_path: Path) -> None:
+    creds = tmp_path / "credentials.env"
+    creds.write_text("".join(f"{k}={v}\n" for k, v in BASE.items()) + "HPC_REQUEST_QUEUE=from-file\n")
+    creds.chmod(0o600)
+    config = load_config(creds, environ={"HPC_REQUEST_QUEUE": "from-env"})
+    assert config.request_queue == "from-env"
+    assert config.rodan_password == "secret"
+    assert config.credentials_file == creds.resolve()
+
+
+def test_credentials_readable_by_others_are_refused(tmp_path: Path) -> None:
+    creds = tmp_path / "credentials.env"
+    creds.write_text("".join(f"{k}={v}\n" for k, v in BASE.items()))
+    os.chmod(creds, 0o644)
+    with pytest.raises(ConfigError, match="chmod 600"):
+        load_config(creds, environ={})
+
+
+def test_secrets_are_not_in_the_repr() -> None:
+    config = load_config(environ=BASE)
+    assert "p@ss" not in repr(config) and "secret" not in repr(config)
+    assert set(config.secrets) == {"secret", "p@ss/word", "p%40ss%2Fword"}
+
+
+def test_cli_reports_configuration_errors_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    from bridge.cli import main
+
+    for key in list(os.environ):
+        if key.startswith(("RABBITMQ_", "RODAN_", "HPC_")):
+            monkeypatch.delenv(key)
+    monkeypatch.chdir(tmp_path)
+    assert main(["check"]) == 2
+    err = capsys.readouterr().err
+    assert "configuration error" in err and "RODAN_USER" in err

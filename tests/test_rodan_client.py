@@ -1,0 +1,118 @@
+"""The Rodan client against the real stand-in server: token, retries, downloads, token scoping."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from bridge.errors import PermanentError, RodanAuthError, TransientError
+from bridge.rodan import RodanClient
+from bridge.standin.server import RodanStandin, User
+
+EMAIL, PASSWORD = "hpc@example.org", "pw-for-tests"
+
+
+@pytest.fixture
+def server(tmp_path: Path):
+    (tmp_path / "projects").mkdir()
+    (tmp_path / "projects" / "f.bin").write_bytes(bytes(range(256)) * 8192)  # 2 MiB
+    with RodanStandin(tmp_path, users=[User(EMAIL, "hpc", PASSWORD)]) as s:
+        yield s
+
+
+def client(server: RodanStandin, **kw: object) -> RodanClient:
+    values: dict[str, object] = {"user": "hpc", "email": EMAIL, "password": PASSWORD, "backoff_s": 0.01, "retries": 3}
+    values.update(kw)
+    return RodanClient(server.url, **values)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("generation", ["email", "username", "both"])
+def test_token_from_either_endpoint_generation(server: RodanStandin, generation: str) -> None:
+    server.token_field = generation  # type: ignore[assignment]
+    token = client(server).get_token()
+    assert token == server.user(EMAIL).token and len(token) == 40
+
+
+def test_5xx_bursts_are_retried_then_succeed(server: RodanStandin) -> None:
+    server.fail_next(2, status=503, paths="/api/auth/token/")
+    assert client(server).get_token() == server.user(EMAIL).token
+    token_posts = [r for r in server.requests if r.path == "/api/auth/token/"]
+    assert len(token_posts) == 3
+
+
+def test_5xx_forever_gives_up_as_transient(server: RodanStandin) -> None:
+    server.fail_next(10, status=502, paths="/api/auth/token/")
+    with pytest.raises(TransientError, match="502"):
+        client(server, retries=2).get_token()
+    assert len([r for r in server.requests if r.path == "/api/auth/token/"]) == 3
+
+
+def test_wrong_password_is_not_retried(server: RodanStandin) -> None:
+    with pytest.raises(RodanAuthError, match="401: Invalid email or password"):
+        client(server, password="wrong").get_token()
+    assert len([r for r in server.requests if r.path == "/api/auth/token/"]) == 1
+
+
+def test_inactive_account_403(server: RodanStandin) -> None:
+    server.set_active(EMAIL, False)
+    with pytest.raises(RodanAuthError, match="403: Account is not activated"):
+        client(server).get_token()
+
+
+def test_unreachable_rodan_is_transient() -> None:
+    with pytest.raises(TransientError, match="unreachable"):
+        RodanClient("http://127.0.0.1:9", password="x", retries=1, backoff_s=0.01).get_token()
+
+
+def test_download_streams_whole_file_with_token(server: RodanStandin, tmp_path: Path) -> None:
+    c = client(server)
+    c.get_token()
+    result = c.download("/uploads/projects/f.bin", tmp_path / "out.bin")
+    assert result.bytes == 2 * 1024 * 1024
+    assert (tmp_path / "out.bin").read_bytes() == (tmp_path / "projects" / "f.bin").read_bytes()
+    get = [r for r in server.requests if r.path == "/uploads/projects/f.bin"][-1]
+    assert get.authorization == f"Token {c.token}"
+
+
+def test_truncated_download_is_retried_and_detected(server: RodanStandin, tmp_path: Path) -> None:
+    c = client(server, retries=1)
+    server.truncate_next(1, paths="/uploads/")
+    result = c.download("/uploads/projects/f.bin", tmp_path / "out.bin")  # second try succeeds
+    assert result.bytes == 2 * 1024 * 1024
+    server.truncate_next(5, paths="/uploads/")
+    with pytest.raises(TransientError, match="truncated"):
+        c.download("/uploads/projects/f.bin", tmp_path / "out2.bin")
+    assert not (tmp_path / "out2.bin").exists()
+
+
+def test_reset_connections_are_retried(server: RodanStandin, tmp_path: Path) -> None:
+    server.reset_next(2, paths="/uploads/")
+    assert client(server).download("/uploads/projects/f.bin", tmp_path / "o").bytes == 2 * 1024 * 1024
+
+
+def test_missing_resource_is_permanent(server: RodanStandin, tmp_path: Path) -> None:
+    with pytest.raises(PermanentError, match="HTTP 404"):
+        client(server).download("/uploads/projects/none", tmp_path / "o")
+
+
+def test_token_never_sent_to_another_host(server: RodanStandin, tmp_path: Path) -> None:
+    with RodanStandin(tmp_path) as other:
+        c = client(server)
+        c.get_token()
+        url = f"{other.url}/uploads/projects/f.bin"
+        assert not c.sends_token_to(url)
+        c.download(url, tmp_path / "o")
+        assert all(r.authorization is None for r in other.requests)
+        # same host name, other port: still another origin
+        assert not c.sends_token_to(server.url.rsplit(":", 1)[0] + ":1/uploads/x")
+        assert c.sends_token_to(f"{server.url}/uploads/x")
+
+
+def test_slow_server_times_out_as_transient(server: RodanStandin, tmp_path: Path) -> None:
+    server.delay(2.0, paths="/uploads/")
+    started = time.monotonic()
+    with pytest.raises(TransientError):
+        client(server, timeout_s=0.3, retries=1).download("/uploads/projects/f.bin", tmp_path / "o")
+    assert time.monotonic() - started < 5

@@ -1,0 +1,525 @@
+"""The Rodan stand-in (bridge.standin): a real HTTP server on loopback, and its sample pages."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import requests
+from PIL import Image
+
+from bridge.standin.samples import (
+    EINSIEDELN_DIR,
+    make_sample_page,
+    synthesize_page_from_masks,
+)
+from bridge.standin.server import RodanStandin, User, token_for_email
+
+EMAIL, USERNAME, PASSWORD = "ana@example.org", "ana", "s3cret pass"
+TOKEN_RE = re.compile(r"^[0-9a-f]{40}$")
+RESOURCE_RE = re.compile(r"^/uploads/projects/[0-9a-f]{32}/resources/[0-9a-f]{32}/original_file$")
+
+OLD_NAMES = ["Image", "Background", "Music Layer", "Staff Layer", "Text", "Selected Regions"]
+
+
+def new_names(n: int) -> list[str]:
+    return ["Image", "Background", "Selected Regions"] + [f"rgba PNG - Layer {i}" for i in range(n)]
+
+
+def users() -> list[User]:
+    return [
+        User(EMAIL, USERNAME, PASSWORD),
+        User("off@example.org", "off", "pw-off", active=False),
+    ]
+
+
+@pytest.fixture
+def make_rodan(tmp_path: Path) -> Iterator[Callable[..., RodanStandin]]:
+    started: list[RodanStandin] = []
+
+    def make(**kwargs: Any) -> RodanStandin:
+        uploads = tmp_path / "uploads"
+        uploads.mkdir(exist_ok=True)
+        kwargs.setdefault("users", users())
+        rodan = RodanStandin(uploads, **kwargs).start()
+        started.append(rodan)
+        return rodan
+
+    yield make
+    for rodan in started:
+        rodan.stop()
+
+
+@pytest.fixture
+def rodan(make_rodan: Callable[..., RodanStandin]) -> RodanStandin:
+    return make_rodan()
+
+
+def post_token(rodan: RodanStandin, fields: dict[str, str], kind: str = "form", **kw: Any) -> requests.Response:
+    url = rodan.url + "/api/auth/token/"
+    if kind == "form":
+        return requests.post(url, data=fields, timeout=5, **kw)
+    if kind == "multipart":
+        return requests.post(url, files={k: (None, v) for k, v in fields.items()}, timeout=5, **kw)
+    return requests.post(url, json=fields, timeout=5, **kw)
+
+
+def raw_get(rodan: RodanStandin, target: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    """GET with the request target sent byte for byte (requests/urllib3 would normalise '..')."""
+    conn = http.client.HTTPConnection(rodan.host_port, timeout=5)
+    try:
+        conn.putrequest("GET", target, skip_accept_encoding=True)
+        for k, v in (headers or {}).items():
+            conn.putheader(k, v)
+        conn.endheaders()
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# POST /api/auth/token/
+
+
+@pytest.mark.parametrize("kind", ["form", "multipart", "json"])
+@pytest.mark.parametrize("token_field", ["email", "username"])
+def test_token_success_each_generation_and_body(make_rodan, token_field, kind):
+    rodan = make_rodan(token_field=token_field)
+    ident = {"email": EMAIL} if token_field == "email" else {"username": USERNAME}
+    r = post_token(rodan, {**ident, "password": PASSWORD}, kind)
+    assert r.status_code == 200, r.text
+    assert r.headers["Content-Type"] == "application/json"
+    body = r.json()
+    assert TOKEN_RE.match(body["token"])
+    assert body["token"] == token_for_email(EMAIL)
+    assert body["username"] == USERNAME and body["email"] == EMAIL
+    assert body["first_name"] == "" and body["last_name"] == "" and body["is_active"] is True
+    assert body["url"].startswith(rodan.url + "/api/user/")
+
+
+@pytest.mark.parametrize("kind", ["form", "multipart", "json"])
+@pytest.mark.parametrize("token_field", ["email", "username", "both"])
+def test_token_username_email_and_password_together_work_everywhere(make_rodan, token_field, kind):
+    rodan = make_rodan(token_field=token_field)
+    r = post_token(rodan, {"username": USERNAME, "email": EMAIL, "password": PASSWORD}, kind)
+    assert r.status_code == 200
+    assert r.json()["token"] == token_for_email(EMAIL)
+
+
+@pytest.mark.parametrize("kind", ["form", "multipart", "json"])
+def test_token_errors_email_generation(make_rodan, kind):
+    rodan = make_rodan(token_field="email")
+    cases = [
+        ({"username": USERNAME, "password": PASSWORD}, 401, "You must supply an email."),
+        ({"email": EMAIL}, 401, "You must supply a password."),
+        ({"email": EMAIL, "password": "wrong"}, 401, "Invalid email or password."),
+        ({"email": "nobody@example.org", "password": PASSWORD}, 401, "Invalid email or password."),
+        ({"email": "off@example.org", "password": "pw-off"}, 403, "Account is not activated."),
+    ]
+    for fields, status, detail in cases:
+        r = post_token(rodan, fields, kind)
+        assert (r.status_code, r.json()) == (status, {"detail": detail}), fields
+        assert r.headers["Content-Type"] == "application/json"
+
+
+@pytest.mark.parametrize("kind", ["form", "multipart", "json"])
+def test_token_errors_username_generation(make_rodan, kind):
+    rodan = make_rodan(token_field="username")
+    cases = [
+        ({"email": EMAIL, "password": PASSWORD}, 401, "You must supply a username."),
+        ({"username": USERNAME, "password": ""}, 401, "You must supply a password."),
+        ({"username": USERNAME, "password": "wrong"}, 401, "Invalid username or password."),
+        ({"username": "off", "password": "pw-off"}, 403, "Account is not activated."),
+    ]
+    for fields, status, detail in cases:
+        r = post_token(rodan, fields, kind)
+        assert (r.status_code, r.json()) == (status, {"detail": detail}), fields
+
+
+def test_token_rodan_detail_style(make_rodan):
+    rodan = make_rodan(detail_style="rodan")
+    r = post_token(rodan, {"email": EMAIL, "password": "wrong"})
+    assert (r.status_code, r.json()) == (401, {"is_logged_in": False})
+    r = post_token(rodan, {"email": "off@example.org", "password": "pw-off"})
+    assert (r.status_code, r.json()) == (403, {"is_logged_in": False})
+    r = post_token(rodan, {"password": PASSWORD})
+    assert (r.status_code, r.json()) == (401, {"detail": "You must supply a email"})
+
+
+def test_token_url_shape_methods_and_media_types(rodan):
+    r = requests.post(rodan.url + "/api/auth/token", data={"email": EMAIL, "password": PASSWORD},
+                      allow_redirects=False, timeout=5)
+    assert r.status_code == 301 and r.headers["Location"] == "/api/auth/token/"
+    r = requests.get(rodan.url + "/api/auth/token/", timeout=5)
+    assert r.status_code == 405 and r.json() == {"detail": 'Method "GET" not allowed.'}
+    r = requests.post(rodan.url + "/api/auth/token/", data=b"email=x", timeout=5,
+                      headers={"Content-Type": "text/plain"})
+    assert r.status_code == 415
+    r = requests.post(rodan.url + "/api/auth/token/", data=b"{nope", timeout=5,
+                      headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["detail"].startswith("JSON parse error")
+    assert requests.get(rodan.url + "/api/nothing/", timeout=5).status_code == 404
+
+
+# ------------------------------------------------------------------------------------------------
+# GET /api/auth/me/
+
+
+def test_auth_me(rodan):
+    url = rodan.url + "/api/auth/me/"
+    token = token_for_email(EMAIL)
+    r = requests.get(url, headers={"Authorization": f"Token {token}"}, timeout=5)
+    assert r.status_code == 200 and r.json()["email"] == EMAIL and "token" not in r.json()
+    r = requests.get(url, headers={"Authorization": "Token " + "0" * 40}, timeout=5)
+    assert (r.status_code, r.json()) == (401, {"detail": "Invalid token."})
+    r = requests.get(url, timeout=5)
+    assert (r.status_code, r.json()) == (401, {"detail": "Authentication credentials were not provided."})
+    assert r.headers["WWW-Authenticate"] == "Token"
+    off = token_for_email("off@example.org")
+    r = requests.get(url, headers={"Authorization": f"Token {off}"}, timeout=5)
+    assert r.status_code == 401
+
+
+def test_changed_credentials_and_rotated_token(rodan):
+    token = post_token(rodan, {"email": EMAIL, "password": PASSWORD}).json()["token"]
+    rodan.set_password(EMAIL, "new password")
+    assert post_token(rodan, {"email": EMAIL, "password": PASSWORD}).status_code == 401
+    r = post_token(rodan, {"email": EMAIL, "password": "new password"})
+    assert r.status_code == 200 and r.json()["token"] == token  # like DRF: the token survives
+    new = rodan.rotate_token(EMAIL)
+    me = rodan.url + "/api/auth/me/"
+    assert requests.get(me, headers={"Authorization": f"Token {token}"}, timeout=5).status_code == 401
+    assert requests.get(me, headers={"Authorization": f"Token {new}"}, timeout=5).status_code == 200
+    rodan.token_field = "username"  # an upgrade/downgrade of Rodan under a running client
+    r = post_token(rodan, {"email": EMAIL, "password": "new password"})
+    assert r.json() == {"detail": "You must supply a username."}
+
+
+# ------------------------------------------------------------------------------------------------
+# /uploads/
+
+
+@pytest.fixture
+def payload(rodan) -> tuple[str, bytes]:
+    data = os.urandom(300_000)
+    file = rodan.uploads_dir / "projects" / ("a" * 32) / "resources" / ("b" * 32) / "original_file"
+    file.parent.mkdir(parents=True)
+    file.write_bytes(data)
+    (rodan.uploads_dir.parent / "secret.txt").write_text("outside")
+    return "/uploads/" + file.relative_to(rodan.uploads_dir).as_posix(), data
+
+
+def test_uploads_served(rodan, payload):
+    path, data = payload
+    r = requests.get(rodan.url_for(path), timeout=5)
+    assert r.status_code == 200 and r.content == data
+    assert r.headers["Content-Length"] == str(len(data))
+    h = requests.head(rodan.url_for(path), timeout=5)
+    assert h.status_code == 200 and h.headers["Content-Length"] == str(len(data)) and h.content == b""
+    r = requests.get(rodan.url + "/uploads/projects/nothing/original_file", timeout=5)
+    assert r.status_code == 404 and r.headers["Content-Type"] == "application/json" and "detail" in r.json()
+    assert requests.get(rodan.url + "/uploads/projects/", timeout=5).status_code == 404  # no listings
+    assert requests.post(rodan.url_for(path), timeout=5).status_code == 405
+
+
+def test_uploads_traversal_refused(rodan, payload):
+    (rodan.uploads_dir / "link").symlink_to(rodan.uploads_dir.parent / "secret.txt")
+    for target in (
+        "/uploads/../secret.txt",
+        "/uploads/%2e%2e/secret.txt",
+        "/uploads/projects/..%2f..%2fsecret.txt",
+        "/uploads/" + str(rodan.uploads_dir.parent / "secret.txt"),
+        "/uploads/link",
+        "/uploads/%00",
+    ):
+        status, body = raw_get(rodan, target)
+        assert status == 404, target
+        assert b"outside" not in body
+
+
+def test_uploads_behind_auth(make_rodan):
+    rodan = make_rodan(require_auth_for_uploads=True)
+    (rodan.uploads_dir / "f").write_bytes(b"x" * 10)
+    r = requests.get(rodan.url + "/uploads/f", timeout=5)
+    assert r.status_code == 401
+    r = requests.get(rodan.url + "/uploads/f", headers={"Authorization": "Token " + "1" * 40}, timeout=5)
+    assert (r.status_code, r.json()) == (401, {"detail": "Invalid token."})
+    r = requests.get(rodan.url + "/uploads/f", headers={"Authorization": f"Token {token_for_email(EMAIL)}"},
+                     timeout=5)
+    assert r.status_code == 200 and r.content == b"x" * 10
+
+
+# ------------------------------------------------------------------------------------------------
+# fault injection
+
+
+def test_fail_next_burst_then_normal(rodan, payload):
+    path, data = payload
+    rodan.fail_next(2, 503, paths="/uploads/", retry_after=1)
+    # a request elsewhere is not affected and does not use up the burst
+    assert post_token(rodan, {"email": EMAIL, "password": PASSWORD}).status_code == 200
+    for _ in range(2):
+        r = requests.get(rodan.url_for(path), timeout=5)
+        assert (r.status_code, r.json()) == (503, {"detail": "Service Unavailable"})
+        assert r.headers["Retry-After"] == "1"
+    assert requests.get(rodan.url_for(path), timeout=5).content == data
+    rodan.fail_next(1, 502, html=True)
+    r = requests.get(rodan.url_for(path), timeout=5)
+    assert r.status_code == 502 and r.headers["Content-Type"].startswith("text/html") and b"502" in r.content
+    assert requests.get(rodan.url_for(path), timeout=5).status_code == 200
+
+
+def test_reset_next(rodan, payload):
+    path, data = payload
+    rodan.reset_next(1, paths="/api/auth/token/")
+    with pytest.raises(requests.ConnectionError):
+        post_token(rodan, {"email": EMAIL, "password": PASSWORD})
+    assert post_token(rodan, {"email": EMAIL, "password": PASSWORD}).status_code == 200
+    rodan.reset_next(1)
+    with pytest.raises(requests.ConnectionError):
+        requests.get(rodan.url_for(path), timeout=5)
+    assert requests.get(rodan.url_for(path), timeout=5).content == data
+    assert [r.fault for r in rodan.requests].count("reset") == 2
+    assert rodan.requests[0].status is None
+
+
+def test_truncate_next(rodan, payload):
+    path, data = payload
+    rodan.truncate_next(2, paths="/uploads/")
+    with pytest.raises(requests.exceptions.ChunkedEncodingError):
+        requests.get(rodan.url_for(path), timeout=5)
+    conn = http.client.HTTPConnection(rodan.host_port, timeout=5)
+    conn.request("GET", path)
+    resp = conn.getresponse()
+    assert int(resp.getheader("Content-Length")) == len(data)
+    with pytest.raises(http.client.IncompleteRead) as excinfo:
+        resp.read()
+    assert len(excinfo.value.partial) == len(data) // 2
+    assert excinfo.value.partial == data[: len(data) // 2]
+    conn.close()
+    assert requests.get(rodan.url_for(path), timeout=5).content == data
+
+
+def test_delay(rodan):
+    rodan.delay(0.3, paths="/api/auth/me/")
+    t0 = time.monotonic()
+    requests.get(rodan.url + "/api/auth/me/", timeout=5)
+    assert time.monotonic() - t0 >= 0.3
+    t0 = time.monotonic()
+    post_token(rodan, {"email": EMAIL, "password": PASSWORD})
+    assert time.monotonic() - t0 < 0.3
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.get(rodan.url + "/api/auth/me/", timeout=0.1)
+    rodan.clear_faults()
+    rodan.fail_next(5)
+    rodan.clear_faults()
+    t0 = time.monotonic()
+    assert requests.get(rodan.url + "/api/auth/me/", timeout=5).status_code == 401
+    assert time.monotonic() - t0 < 0.3
+
+
+def test_faults_apply_in_order(rodan):
+    rodan.reset_next(1)
+    rodan.fail_next(1, 500)
+    url = rodan.url + "/api/auth/me/"
+    with pytest.raises(requests.ConnectionError):
+        requests.get(url, timeout=5)
+    assert requests.get(url, timeout=5).status_code == 500
+    assert requests.get(url, timeout=5).status_code == 401
+
+
+# ------------------------------------------------------------------------------------------------
+# request log, lifecycle
+
+
+def test_request_log_records_authorization(rodan, payload):
+    path, _ = payload
+    token = post_token(rodan, {"email": EMAIL, "password": PASSWORD}).json()["token"]
+    with requests.Session() as s:
+        s.get(rodan.url_for(path), headers={"Authorization": f"Token {token}"}, timeout=5)
+        s.get(rodan.url + "/api/auth/me/?x=1", timeout=5)
+    log = rodan.requests
+    assert [(r.method, r.path, r.status) for r in log] == [
+        ("POST", "/api/auth/token/", 200),
+        ("GET", path, 200),
+        ("GET", "/api/auth/me/", 401),
+    ]
+    assert log[0].authorization is None and log[0].body_length > 0
+    assert log[1].headers["Authorization"] == f"Token {token}"
+    assert log[1].header("authorization") == f"Token {token}"
+    assert log[2].query == "x=1" and log[2].client[0] == "127.0.0.1" and log[2].time >= log[0].time
+    assert token not in repr(log[1]) and token not in repr(rodan.user(EMAIL))
+    assert PASSWORD not in repr(rodan.users)
+    rodan.clear_requests()
+    assert rodan.requests == []
+
+
+def test_stop_with_open_keepalive_connection(tmp_path):
+    rodan = RodanStandin(tmp_path).start()
+    s = requests.Session()
+    s.get(rodan.url + "/api/auth/me/", timeout=5)  # leaves a kept-alive connection open
+    t0 = time.monotonic()
+    rodan.stop()
+    assert time.monotonic() - t0 < 2
+    with pytest.raises(requests.ConnectionError):
+        s.get(rodan.url + "/api/auth/me/", timeout=2)
+    rodan.start()  # a restart serves the same URL again
+    assert s.get(rodan.url + "/api/auth/me/", timeout=2).status_code == 401
+    rodan.stop()
+    s.close()
+    with RodanStandin(tmp_path, users=[User("a@b.c", "a", "p", token="f" * 40)]) as again:
+        assert re.fullmatch(r"http://127\.0\.0\.1:\d+", again.url)
+        assert again.host_port == again.url[len("http://"):]
+        assert post_token(again, {"email": "a@b.c", "password": "p"}).json()["token"] == "f" * 40
+
+
+def test_server_import_is_light_and_cli_serves(tmp_path):
+    code = "import sys, bridge.standin.server; sys.exit('numpy' in sys.modules or 'PIL' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=30).returncode == 0
+
+    out_json = tmp_path / "req.json"
+    env = {**os.environ, "STANDIN_PASSWORD": PASSWORD}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bridge.standin", "serve", "--uploads", str(tmp_path / "up"),
+         "--email", EMAIL, "--username", USERNAME, "--token-field", "username",
+         "--sample-page", str(out_json), "--generation", "old"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
+    )
+    try:
+        line = json.loads(proc.stdout.readline())
+        r = requests.post(line["url"] + "/api/auth/token/",
+                          data={"username": USERNAME, "email": EMAIL, "password": PASSWORD}, timeout=5)
+        assert r.status_code == 200
+        request = json.loads(out_json.read_text())
+        assert list(request["inputs"]) == OLD_NAMES and request["settings"] == {}
+        image = requests.get(line["url"] + request["inputs"]["Image"], timeout=5)
+        assert image.status_code == 200 and image.content.startswith(b"\x89PNG")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=10)
+    assert proc.returncode == 0
+    assert r.json()["token"] not in out + err and PASSWORD not in out + err
+
+
+# ------------------------------------------------------------------------------------------------
+# samples
+
+
+def load(uploads: Path, path: str) -> Image.Image:
+    assert RESOURCE_RE.match(path), path
+    image = Image.open(uploads / path[len("/uploads/"):])
+    image.load()
+    return image
+
+
+def alpha_masks(uploads: Path, inputs: dict[str, str]) -> dict[str, np.ndarray]:
+    masks = {}
+    for name, path in inputs.items():
+        if name == "Image":
+            continue
+        image = load(uploads, path)
+        assert image.mode == "RGBA", name
+        alpha = np.asarray(image)[..., 3]
+        assert set(np.unique(alpha)) <= {0, 255}, name
+        masks[name] = alpha == 255
+    return masks
+
+
+@pytest.mark.parametrize(
+    ("generation", "n_layers", "names"),
+    [("old", 2, OLD_NAMES)] + [("new", n, new_names(n)) for n in (1, 2, 3, 4, 10)],
+)
+def test_sample_page_layers(tmp_path, generation, n_layers, names):
+    inputs = make_sample_page(tmp_path, generation=generation, n_layers=n_layers)
+    assert list(inputs) == names
+    image = load(tmp_path, inputs["Image"])
+    assert image.mode == "RGB" and image.size == (192, 160)
+    masks = alpha_masks(tmp_path, inputs)
+    assert all(m.shape == (160, 192) for m in masks.values())
+    layers = {k: m for k, m in masks.items() if k != "Selected Regions"}
+    for name, m in layers.items():
+        assert m.sum() >= 250, (name, int(m.sum()))
+    stack = np.stack(list(layers.values())).astype(int)
+    assert (stack.sum(axis=0) <= 1).all(), "layers overlap"
+    assert np.array_equal(stack.sum(axis=0) == 1, masks["Selected Regions"]), "layers do not cover the page"
+    assert masks["Selected Regions"].all()
+    # the ink is where the symbols are: a model can learn this
+    grey = np.asarray(image.convert("L"), dtype=float)
+    for name, m in layers.items():
+        if name != "Background":
+            assert grey[m].mean() < grey[masks["Background"]].mean() - 40, name
+
+
+def test_sample_page_deterministic_and_distinct(tmp_path):
+    a = make_sample_page(tmp_path / "a", generation="new", n_layers=3, seed=7)
+    b = make_sample_page(tmp_path / "b", generation="new", n_layers=3, seed=7)
+    c = make_sample_page(tmp_path / "c", generation="new", n_layers=3, seed=8)
+    assert a == b and a != c
+    for name in a:
+        fa = (tmp_path / "a" / a[name][9:]).read_bytes()
+        assert fa == (tmp_path / "b" / b[name][9:]).read_bytes(), name
+        if name != "Selected Regions":
+            assert fa != (tmp_path / "c" / c[name][9:]).read_bytes(), name
+    # different configurations in one uploads directory never overwrite each other
+    old = make_sample_page(tmp_path / "a", generation="old", seed=7)
+    assert not set(old.values()) & set(a.values())
+
+
+def test_sample_page_selected_box_and_jpeg(tmp_path):
+    inputs = make_sample_page(tmp_path, generation="old", height=120, width=100, selected_box=(10, 20, 90, 110),
+                              image_format="jpeg")
+    image = load(tmp_path, inputs["Image"])
+    assert image.format == "JPEG" and image.mode == "RGB" and image.size == (100, 120)
+    masks = alpha_masks(tmp_path, inputs)
+    sel = masks["Selected Regions"]
+    assert sel.sum() == 80 * 90 and sel[20:110, 10:90].all()
+    for name, m in masks.items():
+        assert not (m & ~sel).any(), name
+    with pytest.raises(ValueError):
+        make_sample_page(tmp_path, generation="new", n_layers=11)
+
+
+@pytest.mark.skipif(not (EINSIEDELN_DIR / "Neumes.png").exists(), reason="no Einsiedeln data")
+@pytest.mark.parametrize("generation", ["old", "new"])
+def test_synthesize_page_from_masks_crop(tmp_path, generation):
+    crop = (512, 1024, 1024, 1536)
+    inputs = synthesize_page_from_masks(EINSIEDELN_DIR, tmp_path, crop, generation=generation, seed=3)
+    assert list(inputs) == (OLD_NAMES if generation == "old" else new_names(2))
+    image = load(tmp_path, inputs["Image"])
+    assert image.mode == "RGB" and image.size == (512, 512)
+    layers = {}
+    for name, path in inputs.items():
+        if name == "Image":
+            continue
+        im = load(tmp_path, path)
+        assert im.mode == "RGBA" and im.size == (512, 512)
+        layers[name] = np.asarray(im)[..., 3] == 255
+    music = layers["Music Layer" if generation == "old" else "rgba PNG - Layer 0"]
+    staff = layers["Staff Layer" if generation == "old" else "rgba PNG - Layer 1"]
+    assert music.sum() > 5000 and staff.sum() > 10000 and layers["Selected Regions"].all()
+    if generation == "new":  # the layer is exactly that part of the real mask (a full decode, once)
+        real = np.asarray(Image.open(EINSIEDELN_DIR / "Neumes.png").crop(crop))[..., 3] == 255
+        assert np.array_equal(music, real)
+    grey = np.asarray(image.convert("L"), dtype=float)
+    bg = layers["Background"]
+    assert grey[music].mean() < 80 and grey[bg].mean() > 180
+    if generation == "old":
+        text = layers["Text"]
+        assert text.sum() > 1000
+        assert not (text & (bg | music | staff)).any()
+        assert grey[text].mean() < 100
+    again = synthesize_page_from_masks(EINSIEDELN_DIR, tmp_path / "again", crop, generation=generation, seed=3)
+    assert (tmp_path / inputs["Image"][9:]).read_bytes() == (tmp_path / "again" / again["Image"][9:]).read_bytes()

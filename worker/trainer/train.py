@@ -1,0 +1,344 @@
+"""Train one SAE per layer and save each layer's best epoch as a legacy Keras HDF5 file."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from worker.trainer._tf import keras
+from worker.trainer.dataset import PatchDataset, split_validation
+from worker.trainer.errors import TrainingInputError
+from worker.trainer.model import build_sae, compile_sae, get_sae
+from worker.trainer.page import Page
+from worker.trainer.sampling import Centres, centre_ranges, sample_centres
+from worker.trainer.settings import TrainSettings
+
+log = logging.getLogger(__name__)
+
+EpochCallback = Callable[[dict[str, Any]], None]
+#: What both ModelCheckpoint and EarlyStopping watch in the original, with mode "max".
+MONITOR = "val_accuracy"
+MODEL_SUFFIX = ".hdf5"
+EPOCH_KEYS = ("label", "epoch", "loss", "accuracy", "val_loss", "val_accuracy", "seconds", "samples_per_second")
+
+
+@dataclass
+class LabelResult:
+    """What training one layer produced; ``weights`` are those of the best epoch."""
+
+    label: str
+    weights: list[npt.NDArray[Any]]
+    optimizer_variables: list[npt.NDArray[Any]] | None
+    best_epoch: int  # 1-based; 0 if no epoch had a val_accuracy (the final weights are kept then)
+    best_val_accuracy: float
+    epochs_run: int
+    train_samples: int
+    validation_samples: int
+    history: dict[str, list[float]] = field(default_factory=dict)
+
+
+class BestEpoch(keras.callbacks.Callback):  # type: ignore[misc]
+    """``ModelCheckpoint(save_best_only=True, monitor="val_accuracy", mode="max")``, in memory.
+
+    At the end of every epoch whose val_accuracy is strictly greater than the best so far
+    (Keras' ``np.greater``; a tie keeps the earlier epoch) it copies the weights and, with
+    ``keep_optimizer``, the optimizer's variables. Keeping copies instead of writing a file
+    lets the file be written once, from a model that never trained (see :func:`save_model`).
+    """
+
+    def __init__(self, keep_optimizer: bool) -> None:
+        super().__init__()
+        self.keep_optimizer = keep_optimizer
+        self.best = -math.inf
+        self.best_epoch = 0
+        self.weights: list[npt.NDArray[Any]] | None = None
+        self.optimizer_variables: list[npt.NDArray[Any]] | None = None
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        current = (logs or {}).get(MONITOR)
+        if current is None or not np.greater(current, self.best):
+            return
+        self.best = float(current)
+        self.best_epoch = epoch + 1
+        self.weights = [np.array(w, copy=True) for w in self.model.get_weights()]
+        if self.keep_optimizer:
+            self.optimizer_variables = [
+                np.array(keras.ops.convert_to_numpy(v), copy=True) for v in self.model.optimizer.variables
+            ]
+
+
+class EpochReporter(keras.callbacks.Callback):  # type: ignore[misc]
+    """Calls ``on_epoch`` once per epoch with the metrics and the time taken.
+
+    ``seconds`` is the whole epoch, validation included; ``samples_per_second`` is the
+    training patches divided by the time until validation began.
+    """
+
+    def __init__(self, label: str, train_samples: int, on_epoch: EpochCallback | None) -> None:
+        super().__init__()
+        self.label = label
+        self.train_samples = train_samples
+        self.on_epoch = on_epoch
+        self._start = 0.0
+        self._validation_start: float | None = None
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self._start = time.perf_counter()
+        self._validation_start = None
+
+    def on_test_begin(self, logs: dict[str, Any] | None = None) -> None:
+        if self._validation_start is None:
+            self._validation_start = time.perf_counter()
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        now = time.perf_counter()
+        logs = logs or {}
+        training = (self._validation_start or now) - self._start
+        record: dict[str, Any] = {"label": self.label, "epoch": epoch + 1}
+        for key in ("loss", "accuracy", "val_loss", "val_accuracy"):
+            record[key] = float(logs.get(key, math.nan))
+        record["seconds"] = now - self._start
+        record["samples_per_second"] = self.train_samples / training if training > 0 else math.nan
+        log.info(
+            "layer %r epoch %d: loss %.4f accuracy %.4f val_loss %.4f val_accuracy %.4f (%.1f s)",
+            self.label, record["epoch"], record["loss"], record["accuracy"],
+            record["val_loss"], record["val_accuracy"], record["seconds"],
+        )  # fmt: skip
+        if self.on_epoch is not None:
+            self.on_epoch(record)
+
+
+def check_page(page: Page, settings: TrainSettings) -> None:
+    """Raise TrainingInputError for a page the settings cannot train on."""
+    image = page.image
+    if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
+        raise ValueError(f"page.image must be uint8 (H, W, 3), not {image.dtype} {image.shape}")
+    if not page.masks:
+        raise TrainingInputError("the page has no layers to train")
+    height, width = page.height, page.width
+    for label, mask in page.masks.items():
+        if mask.shape != (height, width):
+            raise TrainingInputError(
+                f"layer {label!r} is {mask.shape[1:2] and mask.shape[1]}x{mask.shape[0]} pixels "
+                f"but the image is {width}x{height}"
+                if mask.ndim == 2
+                else f"layer {label!r} has shape {mask.shape}; a mask must be (height, width)"
+            )
+    ph, pw = settings.patch_height, settings.patch_width
+    if ph > height or pw > width:
+        raise TrainingInputError(
+            f"the patch ({pw}x{ph} pixels) is larger than the page ({width}x{height}); "
+            "choose a smaller patch width and height"
+        )
+    rows, cols = centre_ranges(height, width, ph, pw)
+    if len(rows) == 0 or len(cols) == 0:
+        raise TrainingInputError(
+            f"the page ({width}x{height} pixels) is too small for {pw}x{ph} patches: patches are "
+            f"centred at least one patch width/height from the border, so the page must be at least "
+            f"{2 * pw + 2}x{2 * ph + 2}; choose a smaller patch width and height"
+        )
+    for label, mask in page.masks.items():
+        if not np.any(mask):
+            raise TrainingInputError(
+                f"layer {label!r} has no pixels inside the selected regions; "
+                "paint some of it there or leave the layer out"
+            )
+
+
+def minimum_samples(validation_split: float) -> int:
+    """The fewest samples that leave at least one for training and one for validation."""
+    n = 2
+    while True:
+        train, validation = split_validation(np.zeros((n, 2), dtype=np.int64), validation_split)
+        if len(train) and len(validation):
+            return n
+        n += 1
+
+
+def check_samples(centres: dict[str, Centres], settings: TrainSettings) -> None:
+    """Raise TrainingInputError if a layer got too few samples to train and validate."""
+    needed = minimum_samples(settings.validation_split)
+    for label, found in centres.items():
+        if len(found) < needed:
+            raise TrainingInputError(
+                f"only {len(found)} patches could be sampled for layer {label!r}, at least {needed} are "
+                "needed (some are held out for validation). Patches are centred on the layer's pixels "
+                "away from the page border and on about one pixel in a hundred: paint more of the "
+                "layer (and of every other layer, since all share the smallest layer's budget), raise "
+                "the maximum number of samples per label, or choose a smaller patch size"
+            )
+
+
+def model_file_names(labels: Iterable[str]) -> dict[str, str]:
+    """A distinct, portable file name per label: "Layer 0" -> "Layer_0.hdf5"."""
+    names: dict[str, str] = {}
+    taken: set[str] = set()
+    for label in labels:
+        stem = re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("._-")[:100] or "layer"
+        candidate, number = stem, 2
+        while candidate.lower() in taken:  # also distinct on case-insensitive file systems
+            candidate, number = f"{stem}_{number}", number + 1
+        taken.add(candidate.lower())
+        names[label] = candidate + MODEL_SUFFIX
+    return names
+
+
+def train_label(
+    page: Page,
+    label: str,
+    centres: Centres,
+    settings: TrainSettings,
+    *,
+    shuffle_rng: np.random.Generator,
+    init_seed: int | None = None,
+    on_epoch: EpochCallback | None = None,
+    callbacks: Sequence[Any] = (),
+) -> LabelResult:
+    """Train a fresh SAE on ``label``'s samples and return its best epoch.
+
+    The first ``1 - validation_split`` of ``centres`` train (reshuffled every epoch), the
+    rest validate, batch ``settings.batch_size``; at most ``settings.epochs`` epochs with
+    early stopping on val_accuracy. ``init_seed`` seeds Keras (weight initialisation);
+    ``callbacks`` are extra Keras callbacks, run after the trainer's own.
+    """
+    train_centres, validation_centres = split_validation(centres, settings.validation_split)
+    if len(train_centres) == 0 or len(validation_centres) == 0:
+        check_samples({label: centres}, settings)
+    ph, pw = settings.patch_height, settings.patch_width
+    if init_seed is not None:
+        keras.utils.set_random_seed(init_seed)
+    model = get_sae(ph, pw)
+    mask = page.masks[label]
+    train_data = PatchDataset(page.image, mask, train_centres, ph, pw, settings.batch_size, shuffle_rng=shuffle_rng)
+    validation_data = PatchDataset(page.image, mask, validation_centres, ph, pw, settings.batch_size)
+    best = BestEpoch(keep_optimizer=settings.include_optimizer)
+    stopper = keras.callbacks.EarlyStopping(monitor=MONITOR, patience=settings.patience, mode="max")
+    reporter = EpochReporter(label, len(train_centres), on_epoch)
+    log.info("layer %r: training on %d patches, validating on %d", label, len(train_centres), len(validation_centres))
+    history = model.fit(
+        train_data,
+        validation_data=validation_data,
+        epochs=settings.epochs,
+        callbacks=[best, stopper, reporter, *callbacks],
+        verbose=0,
+    )
+    weights, optimizer_variables = best.weights, best.optimizer_variables
+    if weights is None:  # no epoch reported val_accuracy: keep what training ended with
+        weights = model.get_weights()
+        if settings.include_optimizer:
+            optimizer_variables = [np.array(keras.ops.convert_to_numpy(v)) for v in model.optimizer.variables]
+    values = {key: [float(v) for v in series] for key, series in history.history.items()}
+    return LabelResult(
+        label=label,
+        weights=weights,
+        optimizer_variables=optimizer_variables,
+        best_epoch=best.best_epoch,
+        best_val_accuracy=best.best,
+        epochs_run=len(values.get("loss", [])),
+        train_samples=len(train_centres),
+        validation_samples=len(validation_centres),
+        history=values,
+    )
+
+
+@contextmanager
+def _quiet(logger_name: str) -> Iterator[None]:
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def save_model(result: LabelResult, path: Path, settings: TrainSettings) -> Path:
+    """Write ``result`` as a legacy Keras HDF5 file that ``keras.models.load_model`` reads.
+
+    The file is written from a freshly built model given the best weights, never from the
+    model that trained: in Keras 3.15 an HDF5 save with the optimizer mutates the model's
+    compile config. Without ``settings.include_optimizer`` the model is saved uncompiled
+    (it loads uncompiled, which is all inference needs); with it, the model is compiled as
+    for training and its Adam variables are set to those of the best epoch. The file
+    appears under ``path`` only once it is complete.
+    """
+    model = build_sae(settings.patch_height, settings.patch_width)
+    model.set_weights(result.weights)
+    if settings.include_optimizer:
+        if result.optimizer_variables is None:
+            raise ValueError(f"no optimizer state was kept for layer {result.label!r}")
+        compile_sae(model)
+        model.optimizer.build(model.trainable_variables)
+        for variable, value in zip(model.optimizer.variables, result.optimizer_variables, strict=True):
+            variable.assign(value)
+    path = Path(path)
+    partial = path.with_name(f".{path.stem}.partial{path.suffix}")
+    try:
+        with _quiet("absl"):  # "HDF5 ... is considered legacy": it is what Rodan reads
+            model.save(str(partial), include_optimizer=settings.include_optimizer)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+    return path
+
+
+def train_page(
+    page: Page,
+    settings: TrainSettings,
+    out_dir: Path,
+    on_epoch: EpochCallback | None = None,
+) -> dict[str, Path]:
+    """Train one model per layer of ``page`` (in ``page.masks`` order) into ``out_dir``.
+
+    Samples every layer first (so input errors surface before any training), then trains
+    and saves each in turn. Returns label -> path of its ``.hdf5`` file, named after the
+    label (see :func:`model_file_names`). ``on_epoch`` receives one dict per epoch and
+    layer with the keys in :data:`EPOCH_KEYS`.
+
+    With ``settings.seed`` the sampling, the shuffling and the weight initialisation are
+    reproducible (the seed goes to ``keras.utils.set_random_seed``, which also seeds
+    Python's and NumPy's global generators).
+    """
+    check_page(page, settings)
+    labels = list(page.masks)
+    sampling_seed, *label_seeds = np.random.SeedSequence(settings.seed).spawn(1 + len(labels))
+    centres = sample_centres(
+        page.masks,
+        settings.patch_height,
+        settings.patch_width,
+        settings.max_samples_per_label,
+        np.random.default_rng(sampling_seed),
+    )
+    check_samples(centres, settings)
+    names = model_file_names(labels)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths: dict[str, Path] = {}
+    for label, label_seed in zip(labels, label_seeds, strict=True):
+        shuffle_seed, init_seed = label_seed.spawn(2)
+        result = train_label(
+            page,
+            label,
+            centres[label],
+            settings,
+            shuffle_rng=np.random.default_rng(shuffle_seed),
+            init_seed=None if settings.seed is None else int(init_seed.generate_state(1)[0]),
+            on_epoch=on_epoch,
+        )
+        paths[label] = save_model(result, out_dir / names[label], settings)
+        log.info(
+            "layer %r: best val_accuracy %.4f at epoch %d of %d, saved to %s",
+            label, result.best_val_accuracy, result.best_epoch, result.epochs_run, paths[label],
+        )  # fmt: skip
+    return paths
