@@ -11,6 +11,7 @@ Rules this module keeps:
 
 from __future__ import annotations
 
+import os
 import ssl
 from collections.abc import Mapping
 from urllib.parse import urlsplit
@@ -33,9 +34,13 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
-def connection_parameters(url: str, *, heartbeat: int = 30, ca_file: str | None = None) -> pika.URLParameters:
+def connection_parameters(
+    url: str, *, heartbeat: int = 30, ca_file: str | None = None, name: str = "hpc-bridge"
+) -> pika.URLParameters:
     params = pika.URLParameters(url)
     params.heartbeat = heartbeat
+    # Shown as user_provided_name by `rabbitmqctl list_connections`: operators see who is who.
+    params.client_properties = {"connection_name": f"{name}/{os.getpid()}"}
     params.blocked_connection_timeout = 60
     params.connection_attempts = 1
     params.socket_timeout = 10
@@ -45,9 +50,11 @@ def connection_parameters(url: str, *, heartbeat: int = 30, ca_file: str | None 
     return params
 
 
-def connect(url: str, *, heartbeat: int = 30, ca_file: str | None = None) -> pika.BlockingConnection:
+def connect(
+    url: str, *, heartbeat: int = 30, ca_file: str | None = None, name: str = "hpc-bridge"
+) -> pika.BlockingConnection:
     try:
-        return pika.BlockingConnection(connection_parameters(url, heartbeat=heartbeat, ca_file=ca_file))
+        return pika.BlockingConnection(connection_parameters(url, heartbeat=heartbeat, ca_file=ca_file, name=name))
     except pika.exceptions.ProbableAuthenticationError as exc:
         raise BrokerUnavailable(f"broker refused the credentials: {exc}") from exc
     except CONNECTION_ERRORS as exc:

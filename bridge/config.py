@@ -55,6 +55,8 @@ class BridgeConfig:
     scheduler_timeout_s: float = 60.0
     reconcile_interval_s: float = 30.0
     poll_interval_s: float = 0.25
+    broker_heartbeat_s: int = 30
+    broker_ca_file: str | None = None
     missing_timeout_s: float = 3600.0
     log_file: Path | None = None
     log_level: str = "INFO"
@@ -148,6 +150,8 @@ def load_config(credentials: Path | None = None, environ: Mapping[str, str] | No
         scheduler_timeout_s=get.number("HPC_SCHEDULER_TIMEOUT", 60.0),
         reconcile_interval_s=get.number("HPC_RECONCILE_INTERVAL", 30.0),
         poll_interval_s=get.number("HPC_POLL_INTERVAL", 0.25),
+        broker_heartbeat_s=get.integer("HPC_BROKER_HEARTBEAT", 30, minimum=1),
+        broker_ca_file=get.text("RABBITMQ_CA_FILE", "") or None,
         missing_timeout_s=get.number("HPC_MISSING_TIMEOUT", 3600.0),
         log_file=Path(log_file).expanduser() if log_file else None,
         log_level=get.text("HPC_LOG_LEVEL", "INFO"),

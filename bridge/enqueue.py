@@ -53,7 +53,7 @@ def publish_request(
     correlation_id: str | None = None,
 ) -> str:
     correlation_id = correlation_id or str(uuid.uuid4())
-    connection = connect(broker_url)
+    connection = connect(broker_url, name="hpc-bridge-enqueue")
     try:
         channel = connection.channel()
         channel.confirm_delivery()
@@ -81,7 +81,7 @@ def wait_for_reply(
 ) -> ReplyResult | None:
     """Consume the reply queue like Rodan: ack our reply, nack (requeue) the others."""
     started = time.monotonic()
-    connection = connect(broker_url, heartbeat=60)
+    connection = connect(broker_url, heartbeat=60, name="hpc-bridge-enqueue")
     foreign = 0
     next_progress = started + progress_every_s
     try:

@@ -249,7 +249,12 @@ class Bridge:
 
     # --- connection ownership ------------------------------------------------------
     def _open(self) -> None:
-        self._connection = connect(self.config.broker_url)
+        self._connection = connect(
+            self.config.broker_url,
+            heartbeat=self.config.broker_heartbeat_s,
+            ca_file=self.config.broker_ca_file,
+            name="hpc-bridge",
+        )
         channel = self._connection.channel()
         channel.confirm_delivery()
         declare_rodan_queue(channel, self.config.request_queue)

@@ -237,6 +237,19 @@ def jobs_named(name: str) -> list[str]:
     return sorted(ids)
 
 
+def jobs_started(name: str) -> list[str]:
+    """Jobs with this name that the scheduler accepted and started (a submit-time rejection is
+    still recorded by slurmdbd, as FAILED with no start time)."""
+    acct = subprocess.run(
+        ["sacct", "-n", "-X", "-P", "--name", name, "-S", "now-1days", "-o", "JobIDRaw,Start"],
+        capture_output=True,
+        text=True,
+    )
+    return sorted(
+        line.split("|")[0] for line in acct.stdout.splitlines() if line.split("|")[-1] not in ("", "None", "Unknown")
+    )
+
+
 def run_bridge(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """``hpc-bridge`` as cron runs it: a fresh process with only the given settings."""
     full = {k: v for k, v in os.environ.items() if not k.startswith(("RABBITMQ_", "RODAN_", "HPC_"))}

@@ -141,7 +141,7 @@ def deliver(replies: ReplyBox, params: JobParameters, body: bytes) -> None:
     """Stage the reply, then publish it; if the broker is unreachable the bridge will."""
     entry = replies.stage(params.correlation_id, params.reply_to, body, origin="worker")
     try:
-        connection = connect(params.broker_url, heartbeat=60)
+        connection = connect(params.broker_url, heartbeat=60, name="hpc-worker")
     except BrokerUnavailable as exc:
         log.error("reply_left_in_outbox", error=str(exc), note="hpc-bridge publishes it on its next pass")
         return

@@ -641,6 +641,10 @@ class RodanStandin:
     # -- the API ----------------------------------------------------------------------------------
 
     def route(self, method: str, path: str, query: str, headers: Any, body: bytes) -> _Response:
+        if method == "OPTIONS" and path in (TOKEN_PATH, ME_PATH):
+            allow = "POST, OPTIONS" if path == TOKEN_PATH else "GET, HEAD, OPTIONS"
+            parses = ["application/json", "application/x-www-form-urlencoded", "multipart/form-data"]
+            return _json(200, {"renders": ["application/json"], "parses": parses}, [("Allow", allow)])
         if path == TOKEN_PATH:
             if method != "POST":
                 return _not_allowed(method, "POST, OPTIONS")

@@ -18,7 +18,7 @@ OPAQUE = 255
 _SIXTEEN_BIT_GREY = {"I", "I;16", "I;16B", "I;16L", "I;16N"}
 
 
-@dataclass
+@dataclass(eq=False)
 class Page:
     """A page to train on.
 

@@ -51,5 +51,5 @@ class TrainSettings:
             raise TrainingInputError(
                 f"the validation split must lie strictly between 0 and 1, not {self.validation_split}"
             )
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise TrainingInputError(f"the seed must be a non-negative integer below 2**63, not {self.seed}")
+        if self.seed is not None and self.seed < 0:
+            raise TrainingInputError(f"the seed must be a non-negative integer, not {self.seed}")

@@ -128,12 +128,11 @@ def check_page(page: Page, settings: TrainSettings) -> None:
         raise TrainingInputError("the page has no layers to train")
     height, width = page.height, page.width
     for label, mask in page.masks.items():
+        if mask.ndim != 2:
+            raise ValueError(f"the mask of layer {label!r} has shape {mask.shape}, not (height, width)")
         if mask.shape != (height, width):
             raise TrainingInputError(
-                f"layer {label!r} is {mask.shape[1:2] and mask.shape[1]}x{mask.shape[0]} pixels "
-                f"but the image is {width}x{height}"
-                if mask.ndim == 2
-                else f"layer {label!r} has shape {mask.shape}; a mask must be (height, width)"
+                f"layer {label!r} is {mask.shape[1]}x{mask.shape[0]} pixels but the image is {width}x{height}"
             )
     ph, pw = settings.patch_height, settings.patch_width
     if ph > height or pw > width:

@@ -1,0 +1,281 @@
+"""End to end on real services: RabbitMQ, Slurm, the Rodan stand-in, TensorFlow.
+
+Each test plays Rodan (publishes requests exactly as its task does), runs
+``hpc-bridge check`` as cron would (a fresh process each pass), and asserts on
+what came back in the reply queue, the dead-letter queue, Slurm and the spool.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from bridge.standin.server import token_for_email
+from tests.conftest import (
+    RODAN_EMAIL,
+    Rodan,
+    bridge_environ,
+    cancel_spool_jobs,
+    jobs_named,
+    jobs_started,
+    run_bridge,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.slurm, pytest.mark.broker]
+
+FAST = {
+    "Maximum number of training epochs": 2,
+    "Maximum number of samples per label": 100,
+    "Patch height": 64,
+    "Patch width": 64,
+    "Maximum time (D-HH:MM)": "0-00:15",
+    "Maximum memory (MB)": 4096,
+    "CPUs": 1,
+}
+
+
+class Harness:
+    """One test's bridge: its environment, spool, log, and the replies Rodan received."""
+
+    def __init__(self, env: dict[str, str], spool: Path, rodan: Rodan) -> None:
+        self.env = env
+        self.spool = spool
+        self.rodan = rodan
+        self.replies: dict[str, list[bytes]] = defaultdict(list)
+        self.argv_seen: list[str] = []
+
+    def check(self, **extra: str) -> subprocess.CompletedProcess[str]:
+        result = run_bridge({**self.env, **extra}, "check")
+        assert result.returncode == 0, result.stderr[-2000:]
+        return result
+
+    def collect(self) -> dict[str, list[bytes]]:
+        for corr, body, _headers in self.rodan.drain():
+            self.replies[corr or ""].append(body)
+        return self.replies
+
+    def drive(self, corrs: list[str], timeout: float, during: Callable[[], None] | None = None) -> None:
+        """Run cron passes until every request has a reply (watching process arguments meanwhile)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.check()
+            self.argv_seen += subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()
+            if during:
+                during()
+            self.collect()
+            if all(self.replies.get(c) for c in corrs):
+                return
+            time.sleep(2)
+        missing = [c for c in corrs if not self.replies.get(c)]
+        raise AssertionError(f"no reply within {timeout} s for {missing}; log tail:\n{self.log_tail()}")
+
+    def ledger(self, corr: str) -> dict[str, Any]:
+        return json.loads((self.spool / "ledger" / f"{corr}.json").read_text())
+
+    def log_events(self) -> list[dict[str, Any]]:
+        path = Path(self.env["HPC_LOG_FILE"])
+        return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
+
+    def log_tail(self) -> str:
+        path = Path(self.env["HPC_LOG_FILE"])
+        return "\n".join(path.read_text().splitlines()[-30:]) if path.exists() else "(no log)"
+
+    def job_output(self, corr: str) -> str:
+        return "\n".join(p.read_text() for p in (self.spool / "jobs" / corr).glob("job-*.out"))
+
+
+@pytest.fixture
+def harness(broker_url, standin, queues, rodan, tmp_path, slurm):
+    spool = tmp_path / "spool"
+    env = bridge_environ(broker_url, standin, queues, spool, HPC_LOG_FILE=str(tmp_path / "bridge.log"))
+    h = Harness(env, spool, rodan)
+    yield h
+    cancel_spool_jobs(spool)
+
+
+def only_reply(h: Harness, corr: str) -> dict[str, Any]:
+    bodies = h.replies[corr]
+    assert len(bodies) == 1, f"{len(bodies)} replies for {corr}"
+    return json.loads(bodies[0])
+
+
+@pytest.mark.training
+def test_both_generations_train_on_slurm_and_reply_with_loadable_models(harness, rodan, sample_inputs, tmp_path):
+    old = rodan.publish_request(sample_inputs("old", height=320, width=384, seed=1), FAST)
+    new = rodan.publish_request(sample_inputs("new", n_layers=2, height=320, width=384, seed=2), FAST)
+    harness.drive([old, new], timeout=420)
+    time.sleep(3)
+    harness.check()
+    harness.collect()
+
+    import keras
+
+    expected = {
+        old: ["Background Model", "Music Symbol Model", "Staff Lines Model", "Text Model"],
+        new: ["Background Model", "Model 0", "Model 1"],
+    }
+    for corr, keys in expected.items():
+        reply = only_reply(harness, corr)
+        assert sorted(reply) == sorted(keys), reply.get("error")
+        for key in keys:
+            path = tmp_path / f"{corr}-{key}.hdf5"
+            path.write_bytes(base64.decodebytes(reply[key].encode("ascii")))
+            model = keras.models.load_model(path, compile=False)
+            out = model.predict(np.zeros((1, 64, 64, 3), "float32"), verbose=0)
+            assert out.shape == (1, 64, 64, 1) and 0.0 <= out.min() and out.max() <= 1.0
+        record = harness.ledger(corr)
+        assert record["state"] == "replied" and record["outcome"] == "ok"
+        assert jobs_named(record["job_name"]) == [record["job_id"]]
+        assert not (harness.spool / "params" / f"{corr}.json").exists(), "the worker deletes the parameter file"
+        assert '"event": "epoch"' in harness.job_output(corr)
+
+    # Secrets: the token and passwords are nowhere but the (deleted) parameter file.
+    secrets = [token_for_email(RODAN_EMAIL), harness.env["RODAN_PASSWORD"]]
+    for path in [*harness.spool.rglob("*"), Path(harness.env["HPC_LOG_FILE"])]:
+        if path.is_file():
+            text = path.read_bytes().decode("utf-8", "replace")
+            for secret in secrets:
+                assert secret not in text, f"secret found in {path}"
+    for argv in harness.argv_seen:
+        for secret in secrets:
+            assert secret not in argv, f"secret in a process argument list: {argv[:80]}"
+
+
+def test_jobs_ending_without_a_reply_get_one_error_naming_the_state(harness, rodan, sample_inputs, standin):
+    slow_page = sample_inputs("new", n_layers=1, height=160, width=192, seed=3)
+    slow_prefix = slow_page["Image"].rsplit("/resources/", 1)[0]
+    standin.delay(400, paths=slow_prefix)  # downloads hang: the job is alive but never replies
+
+    failed = rodan.publish_request(sample_inputs("new", n_layers=1, seed=4), FAST)
+    harness.check(HPC_WORKER_PYTHON="/nonexistent/python3")  # the batch script cannot start the worker
+
+    timeout = rodan.publish_request(slow_page, {**FAST, "Maximum time (D-HH:MM)": "0-00:01"})
+    cancelled = rodan.publish_request(slow_page, FAST)
+    big = sample_inputs("new", n_layers=1, height=1024, width=1024, seed=5)  # room for 256x256 patch centres
+    oom = rodan.publish_request(
+        big,
+        {
+            **FAST,
+            "Patch height": 256,
+            "Patch width": 256,
+            "Maximum number of samples per label": 1000,
+            "Maximum memory (MB)": 1024,
+        },
+    )
+    harness.check()
+
+    def cancel_when_running() -> None:
+        record = harness.ledger(cancelled)
+        if record.get("job_id") and not harness.replies.get(cancelled):
+            state = subprocess.run(
+                ["squeue", "-h", "-j", record["job_id"], "-o", "%T"], capture_output=True, text=True
+            ).stdout.strip()
+            if state == "RUNNING":
+                subprocess.run(["scancel", record["job_id"]], check=True)
+
+    harness.drive([failed, timeout, cancelled, oom], timeout=300, during=cancel_when_running)
+    expectations = {
+        failed: ["FAILED", "exit code"],
+        timeout: ["TIMEOUT after 0-00:01", "raise 'Maximum time (D-HH:MM)'"],
+        cancelled: ["CANCELLED"],
+        oom: ["OUT_OF_MEMORY with 1024 MB", "raise 'Maximum memory (MB)'"],
+    }
+    for corr, fragments in expectations.items():
+        error = only_reply(harness, corr)["error"]
+        for fragment in fragments:
+            assert fragment in error, f"{fragment!r} not in {error!r}"
+    # More passes publish nothing more: exactly one reply each.
+    harness.check()
+    time.sleep(1)
+    harness.check()
+    assert all(len(harness.collect()[c]) == 1 for c in expectations)
+
+
+def test_invalid_requests_get_one_error_and_are_dead_lettered(harness, rodan, sample_inputs, queues):
+    good = sample_inputs("new", n_layers=1, seed=6)
+    cases = {
+        rodan.publish(b"{this is not json"): "not valid JSON",
+        rodan.publish_request(good, {**FAST, "CPUs": "2"}): "'settings/CPUs' must be of type integer",
+        rodan.publish_request(good, {**FAST, "Maximum time (D-HH:MM)": "6 hours"}): "must look like 0-06:00",
+        rodan.publish_request(good, {**FAST, "Slurm Notification Email": "x@y.org\n#SBATCH --uid=0"}): "e-mail",
+        rodan.publish_request({k: v for k, v in good.items() if k != "Background"}, FAST): "missing inputs",
+        rodan.publish_request({**good, "Music Layer": good["Image"]}, FAST): "mixes the two Rodan job generations",
+        rodan.publish_request(good, {**FAST, "Maximum memory (MB)": 500000}): "Memory specification can not be",
+    }
+    no_reply_to = rodan.publish_request(good, FAST, reply_to=None)
+    harness.check()
+    harness.collect()
+    for corr, fragment in cases.items():
+        error = only_reply(harness, corr)["error"]
+        assert fragment in error, f"{fragment!r} not in {error!r}"
+        record = harness.ledger(corr)
+        assert record["state"] == "rejected" and record["job_id"] == "" and record["dead_lettered"]
+        assert jobs_started(f"rodan-{corr}") == []
+    dead = {corr: headers for corr, _body, headers in rodan.drain(queues.dead)}
+    assert set(dead) == {*cases, no_reply_to}
+    assert "no reply_to" in dead[no_reply_to]["x-hpc-bridge-reason"]
+    assert rodan.depth(queues.request) == 0
+    # Rodan refuses the HPC account: error reply, dead letter, nothing submitted, never retried.
+    refused = rodan.publish_request(good, FAST)
+    harness.check(RODAN_PASSWORD="wrong-password")
+    harness.collect()
+    assert "Rodan refused the HPC account" in only_reply(harness, refused)["error"]
+    assert jobs_named(f"rodan-{refused}") == [] and rodan.depth(queues.request) == 0
+    assert [c for c, _b, _h in rodan.drain(queues.dead)] == [refused]
+
+
+def test_rodan_outage_defers_then_bounded_error(harness, rodan, sample_inputs, standin, queues):
+    page = sample_inputs("new", n_layers=1, seed=7)
+    standin.fail_next(1000, status=503, paths="/api/auth/token/")
+    corr = rodan.publish_request(page, FAST)
+    behind = rodan.publish_request(page, FAST)
+    harness.check(HPC_RODAN_RETRIES="0")
+    harness.collect()
+    assert not harness.replies, "a transient failure is not an error reply"
+    assert rodan.depth(queues.request) == 2, "deferred requests go back to the queue"
+    assert harness.ledger(corr)["attempts"] == 1 and harness.ledger(behind)["attempts"] == 1
+    standin.clear_faults()
+    harness.check()
+    assert harness.ledger(corr)["state"] == "submitted" and harness.ledger(behind)["state"] == "submitted"
+    # Rodan stays down: after HPC_MAX_ATTEMPTS passes the request gets an error reply.
+    standin.fail_next(1000, status=503, paths="/api/auth/token/")
+    stuck = rodan.publish_request(page, FAST)
+    for _ in range(3):
+        harness.check(HPC_RODAN_RETRIES="0", HPC_MAX_ATTEMPTS="3")
+    harness.collect()
+    assert "gave up after 3 attempts" in only_reply(harness, stuck)["error"]
+    assert rodan.depth(queues.request) == 0
+
+
+def test_sigkill_between_submit_and_ack_submits_nothing_twice(harness, rodan, sample_inputs, tmp_path):
+    # An sbatch that submits for real, then SIGKILLs the bridge before it can record or ack.
+    bindir = tmp_path / "crashbin"
+    bindir.mkdir()
+    wrapper = bindir / "sbatch"
+    wrapper.write_text('#!/bin/sh\nout=$(/usr/bin/sbatch "$@") || exit $?\necho "$out"\nkill -9 $PPID\n')
+    wrapper.chmod(0o755)
+    corr = rodan.publish_request(sample_inputs("new", n_layers=1, height=320, width=384, seed=8), FAST)
+    crashed = run_bridge({**harness.env, "PATH": f"{bindir}:{os.environ['PATH']}"}, "check")
+    assert crashed.returncode == -9
+    record = harness.ledger(corr)
+    assert record["state"] == "submitting" and record["job_id"] == ""
+    job_ids = wait_until(lambda: jobs_named(record["job_name"]), 30, what="the job to be visible")
+    assert len(job_ids) == 1
+    harness.drive([corr], timeout=300)
+    time.sleep(2)
+    harness.check()
+    harness.collect()
+    assert jobs_named(record["job_name"]) == job_ids, "the redelivered request was submitted again"
+    assert "Background Model" in only_reply(harness, corr)
+    assert any(e["event"] == "request_adopted_job" for e in harness.log_events())
