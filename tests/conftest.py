@@ -162,12 +162,17 @@ class Rodan:
         connection = pika.BlockingConnection(pika.URLParameters(self.broker_url))
         channel = connection.channel()
         out = []
-        while True:
-            method, props, body = channel.basic_get(queue or self.queues.reply, auto_ack=True)
-            if method is None:
-                break
-            out.append((props.correlation_id, body, dict(props.headers or {})))
-        connection.close()
+        try:
+            while True:
+                method, props, body = channel.basic_get(queue or self.queues.reply, auto_ack=True)
+                if method is None:
+                    break
+                out.append((props.correlation_id, body, dict(props.headers or {})))
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            if exc.reply_code != 404:  # a queue nobody declared yet holds nothing
+                raise
+        if connection.is_open:
+            connection.close()
         return out
 
     def depth(self, queue: str) -> int:

@@ -1,0 +1,152 @@
+"""``hpc-bridge run``: the daemon against the real broker, Slurm and the stand-in."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import REPO, bridge_environ, cancel_spool_jobs, jobs_named, wait_until
+
+pytestmark = [pytest.mark.slurm, pytest.mark.broker]
+
+SETTINGS = {
+    "Maximum number of training epochs": 1,
+    "Maximum number of samples per label": 100,
+    "Patch height": 64,
+    "Patch width": 64,
+    "Maximum time (D-HH:MM)": "0-00:05",
+    "Maximum memory (MB)": 2048,
+    "CPUs": 1,
+}
+
+
+class Daemon:
+    def __init__(self, env: dict[str, str], log: Path, spool: Path) -> None:
+        full = {k: v for k, v in os.environ.items() if not k.startswith(("RABBITMQ_", "RODAN_", "HPC_"))}
+        full.update(env)
+        self.log, self.spool = log, spool
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bridge", "run"],
+            env=full,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        wait_until(lambda: self.events("broker_connected"), 30, 0.1, "the daemon to connect")
+
+    def events(self, name: str | None = None) -> list[dict[str, Any]]:
+        if not self.log.exists():
+            return []
+        events = [json.loads(line) for line in self.log.read_text().splitlines() if line.startswith("{")]
+        return [e for e in events if name is None or e["event"] == name]
+
+    def record(self, corr: str) -> dict[str, Any] | None:
+        path = self.spool / "ledger" / f"{corr}.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def state(self, corr: str) -> str:
+        record = self.record(corr)
+        return record["state"] if record else ""
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=60)
+
+
+@pytest.fixture
+def daemon_env(broker_url, standin, queues, tmp_path, slurm):
+    spool = tmp_path / "spool"
+    env = bridge_environ(
+        broker_url,
+        standin,
+        queues,
+        spool,
+        HPC_LOG_FILE=str(tmp_path / "bridge.log"),
+        HPC_WORKER_PYTHON="/bin/true",  # the job ends at once without replying: reconciliation must answer
+    )
+    yield env, tmp_path / "bridge.log", spool
+    cancel_spool_jobs(spool)
+
+
+def test_daemon_picks_up_reconciles_and_stops_on_sigterm(daemon_env, rodan, sample_inputs):
+    env, log, spool = daemon_env
+    daemon = Daemon(env, log, spool)
+    try:
+        corr = rodan.publish_request(sample_inputs("new", n_layers=1), SETTINGS)
+        wait_until(lambda: daemon.state(corr) in ("submitted", "replied"), 15, 0.05, "pickup")
+        replies: list[tuple[Any, bytes, dict[str, Any]]] = []
+        wait_until(lambda: replies.extend(rodan.drain()) or replies, 120, 1, "the reconciliation reply")
+        assert [c for c, _b, _h in replies] == [corr]
+        error = json.loads(replies[0][1])["error"]
+        assert "COMPLETED" in error and "without sending its models" in error
+        wait_until(lambda: daemon.state(corr) == "replied", 30, 0.2, "the ledger to settle")
+    finally:
+        assert daemon.stop() == 0
+    assert daemon.events("daemon_stop")
+
+
+def test_sigterm_finishes_the_message_in_hand(daemon_env, rodan, sample_inputs, standin, queues):
+    env, log, spool = daemon_env
+    standin.delay(4, paths="/api/auth/token/")
+    daemon = Daemon(env, log, spool)
+    corr = rodan.publish_request(sample_inputs("new", n_layers=1), SETTINGS)
+    wait_until(lambda: daemon.events("request_received"), 15, 0.05, "the daemon to take the request")
+    daemon.proc.send_signal(signal.SIGTERM)
+    assert daemon.proc.wait(timeout=60) == 0
+    assert daemon.state(corr) == "submitted", "the request in hand was finished before exiting"
+    assert len(jobs_named(f"rodan-{corr}")) == 1
+    assert rodan.depth(queues.request) == 0, "and acked"
+    assert daemon.events("request_acked") and daemon.events("daemon_stop")
+
+
+def _connection_named(given: str) -> list[str]:
+    """Broker-side ids (Erlang pids) of the connections whose client called itself ``given``."""
+    out = subprocess.run(
+        ["rabbitmqctl", "-q", "list_connections", "--no-table-headers", "pid", "client_properties"],
+        capture_output=True,
+        text=True,
+    ).stdout
+    return [line.split("\t")[0] for line in out.splitlines() if f'{{"connection_name","{given}"}}' in line]
+
+
+@pytest.mark.skipif(
+    subprocess.run(["which", "rabbitmqctl"], capture_output=True).returncode != 0
+    or bool(os.environ.get("RABBITMQ_URL")),
+    reason="closing a connection needs rabbitmqctl on the broker's own machine",
+)
+def test_daemon_reconnects_after_the_broker_drops_it(daemon_env, rodan, sample_inputs):
+    env, log, spool = daemon_env
+    daemon = Daemon(env, log, spool)
+    try:
+        mine = _connection_named(f"hpc-bridge/{daemon.proc.pid}")
+        assert len(mine) == 1
+        subprocess.run(["rabbitmqctl", "-q", "close_connection", mine[0], "test: simulated broker loss"], check=True)
+        wait_until(lambda: daemon.events("broker_lost"), 15, 0.1, "the daemon to notice")
+        wait_until(lambda: len(daemon.events("broker_connected")) >= 2, 30, 0.1, "the daemon to reconnect")
+        corr = rodan.publish_request(sample_inputs("new", n_layers=1), SETTINGS)
+        wait_until(lambda: daemon.state(corr) in ("submitted", "replied"), 15, 0.1, "pickup after reconnecting")
+    finally:
+        assert daemon.stop() == 0
+
+
+def test_heartbeats_are_serviced_while_rodan_is_slow(daemon_env, rodan, sample_inputs, standin, queues):
+    env, log, spool = daemon_env
+    standin.delay(12, paths="/api/auth/token/")  # six heartbeat intervals
+    daemon = Daemon({**env, "HPC_BROKER_HEARTBEAT": "2"}, log, spool)
+    try:
+        corr = rodan.publish_request(sample_inputs("new", n_layers=1), SETTINGS)
+        wait_until(lambda: daemon.state(corr) in ("submitted", "replied"), 60, 0.2, "the slow submission")
+        wait_until(lambda: daemon.events("request_acked"), 10, 0.1, "the ack")
+        assert not daemon.events("broker_lost"), "the connection dropped while the token was fetched"
+        assert rodan.depth(queues.request) == 0
+        assert len(jobs_named(f"rodan-{corr}")) == 1
+    finally:
+        assert daemon.stop() == 0

@@ -1,0 +1,118 @@
+"""The worker's failure paths and reply delivery (in-process, real broker and stand-in)."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bridge.logs import configure_logging
+from bridge.replies import ReplyBox
+from bridge.spool import Spool, atomic_write_json
+from tests.conftest import bridge_environ, run_bridge
+from worker.job import run_job
+
+pytestmark = [pytest.mark.broker]
+
+
+def write_params(
+    spool: Spool, corr: str, reply_to: str, inputs: dict[str, str], standin, broker_url: str, **settings: Any
+) -> Path:
+    layers = [["Background", "Background Model"]] + [
+        [name, f"Model {name.rsplit(' ', 1)[1]}"] for name in sorted(inputs) if name.startswith("rgba PNG - Layer")
+    ]
+    params = {
+        "correlation_id": corr,
+        "reply_to": reply_to,
+        "generation": "new",
+        "inputs": inputs,
+        "layers": layers,
+        "settings": {
+            "epochs": 1,
+            "max_samples_per_label": 100,
+            "patch_height": 64,
+            "patch_width": 64,
+            "batch_size": 16,
+            "patience": 3,
+            **settings,
+        },
+        "rodan": {"base_url": standin.url, "token": standin.user("hpc@example.org").token},
+        "broker": {"url": broker_url},
+        "spool": str(spool.root),
+        "max_reply_bytes": 128 * 1024 * 1024,
+    }
+    path = spool.params_path(corr)
+    atomic_write_json(path, params)
+    return path
+
+
+def run(params: Path) -> tuple[int, str]:
+    stream = io.StringIO()
+    configure_logging(stream=stream, component="worker")
+    code = run_job(params)
+    return code, stream.getvalue()
+
+
+def test_missing_resource_is_an_error_reply_naming_the_step(
+    tmp_path, broker_url, queues, standin, sample_inputs, rodan
+):
+    spool = Spool(tmp_path / "spool").ensure()
+    rodan.publish(b"{}", declare=True)  # declares the reply queue like Rodan
+    rodan.drain(queues.request)
+    inputs = {**sample_inputs("new", n_layers=1), "Image": "/uploads/projects/missing/original_file"}
+    params = write_params(spool, "corr-404", queues.reply, inputs, standin, broker_url)
+    code, logs = run(params)
+    assert code == 1
+    assert not params.exists(), "the parameter file is deleted once read"
+    replies = rodan.drain()
+    assert [c for c, _b, _h in replies] == ["corr-404"]
+    error = json.loads(replies[0][1])["error"]
+    assert "while downloading 'Image'" in error and "404" in error
+    assert standin.user("hpc@example.org").token not in logs
+    assert ReplyBox(spool).already_replied("corr-404") and not ReplyBox(spool).staged()
+
+
+def test_resource_that_is_not_an_image(tmp_path, broker_url, queues, standin, sample_inputs, rodan):
+    spool = Spool(tmp_path / "spool").ensure()
+    rodan.publish(b"{}")
+    rodan.drain(queues.request)
+    inputs = sample_inputs("new", n_layers=1)
+    (standin.uploads_dir / "junk").write_bytes(b"<html>not a png</html>")
+    inputs["rgba PNG - Layer 0"] = "/uploads/junk"
+    code, _logs = run(write_params(spool, "corr-junk", queues.reply, inputs, standin, broker_url))
+    error = json.loads(rodan.drain()[0][1])["error"]
+    assert code == 1 and "while reading the input images" in error
+
+
+def test_reply_waits_in_the_outbox_when_the_broker_is_down(tmp_path, broker_url, queues, standin, sample_inputs, rodan):
+    spool_dir = tmp_path / "spool"
+    spool = Spool(spool_dir).ensure()
+    rodan.publish(b"{}")
+    rodan.drain(queues.request)
+    inputs = {**sample_inputs("new", n_layers=1), "Image": "/uploads/projects/missing/original_file"}
+    params = write_params(spool, "corr-outbox", queues.reply, inputs, standin, "amqp://guest:guest@127.0.0.1:9/%2F")
+    code, logs = run(params)
+    assert code == 1 and "reply_left_in_outbox" in logs
+    assert [e.correlation_id for e in ReplyBox(spool).staged()] == ["corr-outbox"]
+    assert rodan.drain() == []
+    # The bridge's next pass publishes it, once.
+    env = bridge_environ(broker_url, standin, queues, spool_dir)
+    for _ in range(2):
+        assert run_bridge(env, "check").returncode == 0
+    replies = rodan.drain()
+    assert [c for c, _b, _h in replies] == ["corr-outbox"]
+    assert "downloading 'Image'" in json.loads(replies[0][1])["error"]
+    assert not ReplyBox(spool).staged() and ReplyBox(spool).already_replied("corr-outbox")
+
+
+def test_already_replied_request_is_not_answered_again(tmp_path, broker_url, queues, standin, sample_inputs, rodan):
+    spool = Spool(tmp_path / "spool").ensure()
+    atomic_write_json(spool.reply_marker("corr-done"), {"outcome": "ok", "published_at": time.time()})
+    params = write_params(spool, "corr-done", queues.reply, sample_inputs("new", n_layers=1), standin, broker_url)
+    code, logs = run(params)
+    assert code == 0 and "already_replied" in logs
+    assert rodan.drain() == []
