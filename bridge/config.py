@@ -93,7 +93,8 @@ def read_settings(credentials: Path | None = None, environ: Mapping[str, str] | 
         if not path.exists():
             raise ConfigError(f"credentials file {path} does not exist")
         check_private(path)
-        values.update({k: v for k, v in dotenv_values(path).items() if v is not None})
+        # No ${VAR} expansion: a password may contain any character.
+        values.update({k: v for k, v in dotenv_values(path, interpolate=False).items() if v is not None})
         values["HPC_BRIDGE_CREDENTIALS"] = str(path.resolve())
     values.update({k: v for k, v in env.items() if k.startswith(("RABBITMQ_", "RODAN_", "HPC_"))})
     return values

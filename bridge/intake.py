@@ -193,7 +193,7 @@ class Intake:
             "layers": [[layer.input_name, layer.reply_key] for layer in request.layers],
             "settings": asdict(request.settings),
             "rodan": {"base_url": self.config.rodan_base_url, "token": token},
-            "broker": {"url": self.config.broker_url},
+            "broker": {"url": self.config.broker_url, "ca_file": self.config.broker_ca_file},
             "spool": str(self.spool.root),
             "max_reply_bytes": self.config.max_reply_bytes,
             "created_at": time.time(),

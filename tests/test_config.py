@@ -110,3 +110,12 @@ def test_cli_reports_configuration_errors_by_name(tmp_path: Path, monkeypatch: p
     assert main(["check"]) == 2
     err = capsys.readouterr().err
     assert "configuration error" in err and "RODAN_USER" in err
+
+
+def test_values_are_taken_literally_without_expansion(tmp_path: Path) -> None:
+    creds = tmp_path / "credentials.env"
+    creds.write_text(
+        "".join(f"{k}={v}\n" for k, v in BASE.items() if k != "RODAN_PASSWORD") + "RODAN_PASSWORD='a${HOME}b'\n"
+    )
+    creds.chmod(0o600)
+    assert load_config(creds, environ={}).rodan_password == "a${HOME}b"

@@ -17,10 +17,12 @@ import keras
 from PIL import Image
 
 from worker.trainer import Page, TrainingInputError, TrainSettings, load_page, train_page
+from worker.trainer.callbacks import EPOCH_KEYS
 from worker.trainer.dataset import INPUT_LOOKUP, PatchDataset, split_validation
 from worker.trainer.model import PARAMETER_COUNT, build_sae, get_sae
 from worker.trainer.sampling import centre_ranges, sample_centres, samples_per_label, selection_ratios
-from worker.trainer.train import EPOCH_KEYS, LabelResult, model_file_names, save_model, train_label
+from worker.trainer.saving import LabelResult, model_file_names, save_model
+from worker.trainer.train import train_label
 
 pytestmark = pytest.mark.filterwarnings(  # TensorFlow's variables and NumPy 2, inside Keras
     "ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning"

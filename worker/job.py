@@ -40,6 +40,7 @@ class JobParameters:
     rodan_base_url: str
     token: str
     broker_url: str
+    broker_ca_file: str | None
     spool: Path
     max_reply_bytes: int
 
@@ -54,6 +55,7 @@ class JobParameters:
             rodan_base_url=str(data["rodan"]["base_url"]),
             token=str(data["rodan"]["token"]),
             broker_url=str(data["broker"]["url"]),
+            broker_ca_file=data["broker"].get("ca_file"),
             spool=Path(data["spool"]),
             max_reply_bytes=int(data.get("max_reply_bytes", 128 * 1024 * 1024)),
         )
@@ -141,7 +143,7 @@ def deliver(replies: ReplyBox, params: JobParameters, body: bytes) -> None:
     """Stage the reply, then publish it; if the broker is unreachable the bridge will."""
     entry = replies.stage(params.correlation_id, params.reply_to, body, origin="worker")
     try:
-        connection = connect(params.broker_url, heartbeat=60, name="hpc-worker")
+        connection = connect(params.broker_url, heartbeat=60, ca_file=params.broker_ca_file, name="hpc-worker")
     except BrokerUnavailable as exc:
         log.error("reply_left_in_outbox", error=str(exc), note="hpc-bridge publishes it on its next pass")
         return

@@ -3,120 +3,23 @@
 from __future__ import annotations
 
 import logging
-import math
-import os
-import re
-import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from worker.trainer._tf import keras
+from worker.trainer.callbacks import MONITOR, BestEpoch, EpochCallback, EpochReporter
 from worker.trainer.dataset import PatchDataset, split_validation
 from worker.trainer.errors import TrainingInputError
-from worker.trainer.model import build_sae, compile_sae, get_sae
+from worker.trainer.model import get_sae
 from worker.trainer.page import Page
 from worker.trainer.sampling import Centres, centre_ranges, sample_centres
+from worker.trainer.saving import LabelResult, model_file_names, save_model
 from worker.trainer.settings import TrainSettings
 
 log = logging.getLogger(__name__)
-
-EpochCallback = Callable[[dict[str, Any]], None]
-#: What both ModelCheckpoint and EarlyStopping watch in the original, with mode "max".
-MONITOR = "val_accuracy"
-MODEL_SUFFIX = ".hdf5"
-EPOCH_KEYS = ("label", "epoch", "loss", "accuracy", "val_loss", "val_accuracy", "seconds", "samples_per_second")
-
-
-@dataclass
-class LabelResult:
-    """What training one layer produced; ``weights`` are those of the best epoch."""
-
-    label: str
-    weights: list[npt.NDArray[Any]]
-    optimizer_variables: list[npt.NDArray[Any]] | None
-    best_epoch: int  # 1-based; 0 if no epoch had a val_accuracy (the final weights are kept then)
-    best_val_accuracy: float
-    epochs_run: int
-    train_samples: int
-    validation_samples: int
-    history: dict[str, list[float]] = field(default_factory=dict)
-
-
-class BestEpoch(keras.callbacks.Callback):  # type: ignore[misc]
-    """``ModelCheckpoint(save_best_only=True, monitor="val_accuracy", mode="max")``, in memory.
-
-    At the end of every epoch whose val_accuracy is strictly greater than the best so far
-    (Keras' ``np.greater``; a tie keeps the earlier epoch) it copies the weights and, with
-    ``keep_optimizer``, the optimizer's variables. Keeping copies instead of writing a file
-    lets the file be written once, from a model that never trained (see :func:`save_model`).
-    """
-
-    def __init__(self, keep_optimizer: bool) -> None:
-        super().__init__()
-        self.keep_optimizer = keep_optimizer
-        self.best = -math.inf
-        self.best_epoch = 0
-        self.weights: list[npt.NDArray[Any]] | None = None
-        self.optimizer_variables: list[npt.NDArray[Any]] | None = None
-
-    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
-        current = (logs or {}).get(MONITOR)
-        if current is None or not np.greater(current, self.best):
-            return
-        self.best = float(current)
-        self.best_epoch = epoch + 1
-        self.weights = [np.array(w, copy=True) for w in self.model.get_weights()]
-        if self.keep_optimizer:
-            self.optimizer_variables = [
-                np.array(keras.ops.convert_to_numpy(v), copy=True) for v in self.model.optimizer.variables
-            ]
-
-
-class EpochReporter(keras.callbacks.Callback):  # type: ignore[misc]
-    """Calls ``on_epoch`` once per epoch with the metrics and the time taken.
-
-    ``seconds`` is the whole epoch, validation included; ``samples_per_second`` is the
-    training patches divided by the time until validation began.
-    """
-
-    def __init__(self, label: str, train_samples: int, on_epoch: EpochCallback | None) -> None:
-        super().__init__()
-        self.label = label
-        self.train_samples = train_samples
-        self.on_epoch = on_epoch
-        self._start = 0.0
-        self._validation_start: float | None = None
-
-    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
-        self._start = time.perf_counter()
-        self._validation_start = None
-
-    def on_test_begin(self, logs: dict[str, Any] | None = None) -> None:
-        if self._validation_start is None:
-            self._validation_start = time.perf_counter()
-
-    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
-        now = time.perf_counter()
-        logs = logs or {}
-        training = (self._validation_start or now) - self._start
-        record: dict[str, Any] = {"label": self.label, "epoch": epoch + 1}
-        for key in ("loss", "accuracy", "val_loss", "val_accuracy"):
-            record[key] = float(logs.get(key, math.nan))
-        record["seconds"] = now - self._start
-        record["samples_per_second"] = self.train_samples / training if training > 0 else math.nan
-        log.info(
-            "layer %r epoch %d: loss %.4f accuracy %.4f val_loss %.4f val_accuracy %.4f (%.1f s)",
-            self.label, record["epoch"], record["loss"], record["accuracy"],
-            record["val_loss"], record["val_accuracy"], record["seconds"],
-        )  # fmt: skip
-        if self.on_epoch is not None:
-            self.on_epoch(record)
 
 
 def check_page(page: Page, settings: TrainSettings) -> None:
@@ -179,20 +82,6 @@ def check_samples(centres: dict[str, Centres], settings: TrainSettings) -> None:
             )
 
 
-def model_file_names(labels: Iterable[str]) -> dict[str, str]:
-    """A distinct, portable file name per label: "Layer 0" -> "Layer_0.hdf5"."""
-    names: dict[str, str] = {}
-    taken: set[str] = set()
-    for label in labels:
-        stem = re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("._-")[:100] or "layer"
-        candidate, number = stem, 2
-        while candidate.lower() in taken:  # also distinct on case-insensitive file systems
-            candidate, number = f"{stem}_{number}", number + 1
-        taken.add(candidate.lower())
-        names[label] = candidate + MODEL_SUFFIX
-    return names
-
-
 def train_label(
     page: Page,
     label: str,
@@ -218,7 +107,7 @@ def train_label(
     if init_seed is not None:
         keras.utils.set_random_seed(init_seed)
     model = get_sae(ph, pw)
-    mask = page.masks[label]
+    mask = np.asarray(page.masks[label], dtype=bool)
     train_data = PatchDataset(page.image, mask, train_centres, ph, pw, settings.batch_size, shuffle_rng=shuffle_rng)
     validation_data = PatchDataset(page.image, mask, validation_centres, ph, pw, settings.batch_size)
     best = BestEpoch(keep_optimizer=settings.include_optimizer)
@@ -249,47 +138,6 @@ def train_label(
         validation_samples=len(validation_centres),
         history=values,
     )
-
-
-@contextmanager
-def _quiet(logger_name: str) -> Iterator[None]:
-    logger = logging.getLogger(logger_name)
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
-def save_model(result: LabelResult, path: Path, settings: TrainSettings) -> Path:
-    """Write ``result`` as a legacy Keras HDF5 file that ``keras.models.load_model`` reads.
-
-    The file is written from a freshly built model given the best weights, never from the
-    model that trained: in Keras 3.15 an HDF5 save with the optimizer mutates the model's
-    compile config. Without ``settings.include_optimizer`` the model is saved uncompiled
-    (it loads uncompiled, which is all inference needs); with it, the model is compiled as
-    for training and its Adam variables are set to those of the best epoch. The file
-    appears under ``path`` only once it is complete.
-    """
-    model = build_sae(settings.patch_height, settings.patch_width)
-    model.set_weights(result.weights)
-    if settings.include_optimizer:
-        if result.optimizer_variables is None:
-            raise ValueError(f"no optimizer state was kept for layer {result.label!r}")
-        compile_sae(model)
-        model.optimizer.build(model.trainable_variables)
-        for variable, value in zip(model.optimizer.variables, result.optimizer_variables, strict=True):
-            variable.assign(value)
-    path = Path(path)
-    partial = path.with_name(f".{path.stem}.partial{path.suffix}")
-    try:
-        with _quiet("absl"):  # "HDF5 ... is considered legacy": it is what Rodan reads
-            model.save(str(partial), include_optimizer=settings.include_optimizer)
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
-    return path
 
 
 def train_page(

@@ -1,0 +1,145 @@
+"""The end-to-end demo (run by deploy/dev/demo.sh after set-up).
+
+1. A Rodan stand-in on loopback serves a generated page and its layers.
+2. ``hpc-bridge enqueue --wait`` publishes a training request exactly as Rodan's task does and
+   waits for the reply like Rodan (nacking replies that are not its own).
+3. ``hpc-bridge check`` runs every few seconds, as cron would: it submits the job to the real
+   local Slurm, and the worker in the job downloads, trains one model per layer and replies.
+4. The models that came back are listed and loaded with Keras.
+
+Uses its own queue names and a private spool under ./var/demo, so it never touches a real deployment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from bridge.standin.samples import make_sample_page  # noqa: E402
+from bridge.standin.server import RodanStandin, User  # noqa: E402
+
+SETTINGS = {
+    "Maximum number of training epochs": 2,
+    "Maximum number of samples per label": 200,
+    "Patch height": 64,
+    "Patch width": 64,
+    "Maximum time (D-HH:MM)": "0-00:20",
+    "Maximum memory (MB)": 4096,
+    "CPUs": 2,
+}
+
+
+def say(text: str) -> None:
+    print(f"[demo {time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--generation", choices=["old", "new"], default="new")
+    parser.add_argument("--layers", type=int, default=2, help="numbered layers (new generation)")
+    parser.add_argument("--timeout", type=float, default=900)
+    args = parser.parse_args()
+
+    work = REPO / "var" / "demo"
+    work.mkdir(parents=True, exist_ok=True)
+    run_dir = Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=work))
+    uploads, spool, out = run_dir / "uploads", run_dir / "spool", run_dir / "models"
+    uploads.mkdir()
+    password = uuid.uuid4().hex
+    tag = uuid.uuid4().hex[:8]
+
+    with RodanStandin(uploads, users=[User("hpc@example.org", "hpc", password)], token_field="email") as rodan:
+        inputs = make_sample_page(uploads, generation=args.generation, n_layers=args.layers, height=320, width=384)
+        say(f"Rodan stand-in at {rodan.url} serving a 384x320 page: {', '.join(inputs)}")
+        credentials = run_dir / "credentials.env"
+        credentials.write_text(
+            "\n".join(
+                [
+                    f"RABBITMQ_URL={os.environ.get('RABBITMQ_URL', 'amqp://guest:guest@127.0.0.1:5672/%2F')}",
+                    f"RODAN_HOST={rodan.host_port}",
+                    "RODAN_SCHEME=http",
+                    "RODAN_USER=hpc@example.org",
+                    f"RODAN_PASSWORD={password}",
+                    f"HPC_REQUEST_QUEUE=demo-{tag}-hpc-jobs",
+                    f"HPC_REPLY_QUEUE=demo-{tag}-hpc-results",
+                    f"HPC_DEAD_LETTER_QUEUE=demo-{tag}-dead-letter",
+                    f"HPC_SPOOL_DIR={spool}",
+                    f"HPC_WORKER_PYTHON={sys.executable}",
+                    f"HPC_LOG_FILE={run_dir / 'bridge.log'}",
+                    "",
+                ]
+            )
+        )
+        credentials.chmod(0o600)
+        (run_dir / "inputs.json").write_text(json.dumps(inputs))
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("RABBITMQ_", "RODAN_", "HPC_"))}
+        bridge = [sys.executable, "-m", "bridge", "--credentials", str(credentials)]
+        enqueue_cmd = [
+            *bridge,
+            "enqueue",
+            "--inputs",
+            str(run_dir / "inputs.json"),
+            "--wait",
+            "--out",
+            str(out),
+            "--timeout",
+            str(args.timeout),
+        ]
+        for name, value in SETTINGS.items():
+            enqueue_cmd += ["--setting", f"{name}={value}"]
+        say("enqueueing the request as Rodan does, and waiting for the reply")
+        waiter = subprocess.Popen(enqueue_cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, text=True)
+        started = time.monotonic()
+        passes = 0
+        last_state = ""
+        while waiter.poll() is None:
+            subprocess.run([*bridge, "check"], env=env, cwd=REPO, check=False)
+            passes += 1
+            state = _ledger_state(spool)
+            if state != last_state:
+                say(f"bridge pass {passes}: request {state}")
+                last_state = state
+            time.sleep(3)
+        stdout = waiter.communicate()[0]
+        result = json.loads(stdout.strip().splitlines()[-1])
+        took = time.monotonic() - started
+
+    if "error" in result:
+        say(f"the request failed after {took:.0f} s: {result['error']}")
+        say(f"bridge log: {run_dir / 'bridge.log'}; job logs: {spool / 'jobs'}")
+        return 1
+    say(f"reply received after {took:.0f} s and {passes} bridge passes; models written to {out}")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import keras
+
+    print(f"\n{'reply key':<22}{'file bytes':>12}  keras")
+    for key, info in sorted(result["files"].items()):
+        model = keras.models.load_model(info["path"], compile=False)
+        print(f"{key:<22}{info['bytes']:>12}  loads: {model.count_params():,} parameters, output {model.output_shape}")
+    print(f"\nrun directory: {run_dir}")
+    return 0
+
+
+def _ledger_state(spool: Path) -> str:
+    records = list((spool / "ledger").glob("*.json")) if (spool / "ledger").exists() else []
+    if not records:
+        return "queued"
+    record = json.loads(records[0].read_text())
+    state = record["state"]
+    if record.get("job_id"):
+        state += f" (Slurm job {record['job_id']}{', ' + record['job_state'] if record.get('job_state') else ''})"
+    return state
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Everything the demo and the tests need on a fresh Debian 12 machine (root), idempotently:
+#   - a virtualenv in .venv with the project, the worker extra (TensorFlow CPU) and dev tools;
+#   - RabbitMQ answering on 127.0.0.1:5672 (started, or installed then started, unless RABBITMQ_URL is set);
+#   - the single-node Slurm cluster (deploy/dev/slurm.sh up).
+# Second run: a few seconds (nothing is reinstalled unless pyproject.toml changed).
+set -euo pipefail
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+cd "$repo"
+say() { printf '[setup] %s\n' "$*"; }
+
+# --- Python environment --------------------------------------------------------------
+python=${PYTHON:-python3}
+if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
+    echo "[setup] need Python >= 3.10 (set PYTHON=/path/to/python3)" >&2
+    exit 1
+fi
+if [ ! -x .venv/bin/python ]; then
+    say "creating .venv with $("$python" --version)"
+    "$python" -m venv .venv
+fi
+stamp=.venv/.hpc-bridge-installed
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    say "installing the project into .venv (TensorFlow CPU included; about a minute the first time)"
+    .venv/bin/python -m pip install --quiet --upgrade pip
+    .venv/bin/python -m pip install --quiet -e '.[worker,dev]'
+    echo "$want" > "$stamp"
+else
+    say ".venv is up to date"
+fi
+
+# --- RabbitMQ ------------------------------------------------------------------------
+broker_up() { (exec 3<>/dev/tcp/127.0.0.1/5672) 2>/dev/null; }
+if [ -n "${RABBITMQ_URL:-}" ]; then
+    say "using the broker in RABBITMQ_URL"
+elif broker_up; then
+    say "RabbitMQ answers on 127.0.0.1:5672"
+else
+    if ! command -v rabbitmq-server >/dev/null; then
+        say "installing rabbitmq-server"
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq rabbitmq-server >/dev/null
+    fi
+    say "starting RabbitMQ (rabbitmq-server -detached)"
+    rabbitmq-server -detached >/dev/null 2>&1 || true
+    for _ in $(seq 1 60); do broker_up && break; sleep 1; done
+    broker_up || { echo "[setup] RabbitMQ did not come up on 127.0.0.1:5672" >&2; exit 1; }
+    say "RabbitMQ is up"
+fi
+
+# --- Slurm ---------------------------------------------------------------------------
+bash deploy/dev/slurm.sh up

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The whole test suite, as CI runs it: set-up, lint, type-check, then pytest against the real
+# RabbitMQ, the real single-node Slurm cluster and the Rodan stand-in. Extra arguments go to pytest.
+set -euo pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+cd "$repo"
+bash deploy/dev/setup.sh
+echo "[test] ruff"
+.venv/bin/ruff check .
+echo "[test] mypy"
+.venv/bin/mypy
+echo "[test] pytest"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

@@ -1,0 +1,93 @@
+"""Keras callbacks of the fit loop: keep the best epoch, report every epoch."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from worker.trainer._tf import keras
+
+log = logging.getLogger(__name__)
+
+EpochCallback = Callable[[dict[str, Any]], None]
+#: What both ModelCheckpoint and EarlyStopping watch in the original, with mode "max".
+MONITOR = "val_accuracy"
+#: The keys of every dict given to an EpochCallback.
+EPOCH_KEYS = ("label", "epoch", "loss", "accuracy", "val_loss", "val_accuracy", "seconds", "samples_per_second")
+
+
+class BestEpoch(keras.callbacks.Callback):  # type: ignore[misc]
+    """``ModelCheckpoint(save_best_only=True, monitor="val_accuracy", mode="max")``, in memory.
+
+    At the end of every epoch whose val_accuracy is strictly greater than the best so far
+    (Keras' ``np.greater``; a tie keeps the earlier epoch) it copies the weights and, with
+    ``keep_optimizer``, the optimizer's variables. Keeping copies instead of writing a file
+    lets the file be written once, from a model that never trained (see :func:`save_model`).
+    """
+
+    def __init__(self, keep_optimizer: bool) -> None:
+        super().__init__()
+        self.keep_optimizer = keep_optimizer
+        self.best = -math.inf
+        self.best_epoch = 0
+        self.weights: list[npt.NDArray[Any]] | None = None
+        self.optimizer_variables: list[npt.NDArray[Any]] | None = None
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        current = (logs or {}).get(MONITOR)
+        if current is None or not np.greater(current, self.best):
+            return
+        self.best = float(current)
+        self.best_epoch = epoch + 1
+        self.weights = [np.array(w, copy=True) for w in self.model.get_weights()]
+        if self.keep_optimizer:
+            self.optimizer_variables = [
+                np.array(keras.ops.convert_to_numpy(v), copy=True) for v in self.model.optimizer.variables
+            ]
+
+
+class EpochReporter(keras.callbacks.Callback):  # type: ignore[misc]
+    """Calls ``on_epoch`` once per epoch with the metrics and the time taken.
+
+    ``seconds`` is the whole epoch, validation included; ``samples_per_second`` is the
+    training patches divided by the time until validation began.
+    """
+
+    def __init__(self, label: str, train_samples: int, on_epoch: EpochCallback | None) -> None:
+        super().__init__()
+        self.label = label
+        self.train_samples = train_samples
+        self.on_epoch = on_epoch
+        self._start = 0.0
+        self._validation_start: float | None = None
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self._start = time.perf_counter()
+        self._validation_start = None
+
+    def on_test_begin(self, logs: dict[str, Any] | None = None) -> None:
+        if self._validation_start is None:
+            self._validation_start = time.perf_counter()
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        now = time.perf_counter()
+        logs = logs or {}
+        training = (self._validation_start or now) - self._start
+        record: dict[str, Any] = {"label": self.label, "epoch": epoch + 1}
+        for key in ("loss", "accuracy", "val_loss", "val_accuracy"):
+            record[key] = float(logs.get(key, math.nan))
+        record["seconds"] = now - self._start
+        record["samples_per_second"] = self.train_samples / training if training > 0 else math.nan
+        log.info(
+            "layer %r epoch %d: loss %.4f accuracy %.4f val_loss %.4f val_accuracy %.4f (%.1f s)",
+            self.label, record["epoch"], record["loss"], record["accuracy"],
+            record["val_loss"], record["val_accuracy"], record["seconds"],
+        )  # fmt: skip
+        if self.on_epoch is not None:
+            self.on_epoch(record)
