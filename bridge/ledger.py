@@ -45,6 +45,7 @@ class RequestRecord:
     outcome: str = ""  # "ok" or "error" once replied
     reason: str = ""  # last error, or what the final error reply said
     job_state: str = ""  # last scheduler state seen
+    job_ended: bool = False  # reconciliation saw the job in a terminal state (or gone for good)
     time_limit: str = ""
     memory_mb: int = 0
     created_at: float = field(default_factory=time.time)

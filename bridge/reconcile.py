@@ -17,7 +17,7 @@ from bridge.config import BridgeConfig
 from bridge.errors import SchedulerUnavailable
 from bridge.ledger import Ledger, RequestRecord, RequestState
 from bridge.protocol import error_reply
-from bridge.replies import ReplyBox
+from bridge.replies import ReplyBox, StagedReply
 from bridge.schedulers import JobInfo, JobState, Scheduler
 from bridge.spool import Spool
 
@@ -96,17 +96,20 @@ class Reconciler:
             with structlog.contextvars.bound_contextvars(correlation_id=record.correlation_id, job_id=record.job_id):
                 # The marker is checked after the query: a job that replied and then
                 # ended is seen as replied, never as "ended without reply".
-                if self.replies.already_replied(record.correlation_id) or record.key in staged:
+                if self.replies.already_replied(record.correlation_id):
                     continue
                 info = infos.get(record.job_id)
                 if info is None or info.state is JobState.MISSING:
-                    judged += self._missing(record, now)
+                    judged += self._missing(record, now, has_reply=record.key in staged)
                     continue
                 if record.job_state != info.native_state:
                     log.info("job_state", state=info.state.value, native=info.native_state, source=info.source)
                 record.job_state = info.native_state
                 record.missing_since = 0.0
-                if info.state.is_terminal:
+                record.job_ended = info.state.is_terminal
+                if info.state.is_terminal and record.key in staged:
+                    log.info("job_ended_reply_waiting", note="a staged reply for this request goes out with the next flush")
+                elif info.state.is_terminal:
                     reason = explain(record, info, self.scheduler.name)
                     log.error("job_ended_without_reply", state=info.state.value, reason=reason)
                     record.reason = reason
@@ -116,13 +119,24 @@ class Reconciler:
         log.info("reconcile_done", watched=len(watched), judged=judged)
         return judged
 
-    def _missing(self, record: RequestRecord, now: float) -> int:
+    def may_publish(self, entry: StagedReply) -> bool:
+        """A reply the worker staged is the worker's to publish until its job has ended."""
+        if entry.origin != "worker":
+            return True
+        record = self.ledger.get(entry.correlation_id)
+        return record is None or record.state is not RequestState.SUBMITTED or record.job_ended
+
+    def _missing(self, record: RequestRecord, now: float, *, has_reply: bool = False) -> int:
         if not record.missing_since:
             record.missing_since = now
             self.ledger.save(record)
             log.warning("job_missing", note="not in the queue nor in accounting; waiting before judging")
             return 0
         if now - record.missing_since < self.config.missing_timeout_s:
+            return 0
+        record.job_ended = True
+        if has_reply:
+            self.ledger.save(record)
             return 0
         reason = (
             f"{self.scheduler.name.capitalize()} job {record.job_id} vanished: neither the queue nor accounting "

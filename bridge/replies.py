@@ -7,7 +7,10 @@ Exactly one final reply per request is the contract. The protocol here:
 2. ``publish_staged``: publish with publisher confirms; on the confirm, write
    ``SPOOL/replies/KEY.json`` (the "replied" marker), then drop the outbox entry.
 3. Whoever finds a staged entry later (the bridge on every pass) publishes it,
-   unless the marker already exists.
+   unless the marker already exists. A reply the WORKER staged belongs to the
+   worker while its job may still run (it is publishing it right now, or will):
+   the bridge only takes it over once reconciliation has seen the job end
+   (``may_publish``), so the two never publish the same reply.
 
 So a reply that could not be published (broker down) is never lost, and a
 request with a marker is never answered again. The worker and the bridge both
@@ -136,12 +139,12 @@ class ReplyBox:
         log.info("reply_published", outcome=outcome, bytes=len(body), origin=entry.origin)
         return True
 
-    def flush(self, channel: BlockingChannel, keep_going: Callable[[], bool] = lambda: True) -> int:
-        """Publish every staged reply; returns how many went out."""
+    def flush(self, channel: BlockingChannel, may_publish: Callable[[StagedReply], bool] = lambda _e: True) -> int:
+        """Publish every staged reply ``may_publish`` allows; returns how many went out."""
         sent = 0
         for entry in self.staged():
-            if not keep_going():
-                break
+            if not may_publish(entry):
+                continue
             if self.publish_staged(channel, entry):
                 sent += 1
         return sent

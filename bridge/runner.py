@@ -245,7 +245,7 @@ class Bridge:
         self._deferred = keep
 
     def _flush(self) -> int:
-        return self.replies.flush(self._require_channel())
+        return self.replies.flush(self._require_channel(), self.reconciler.may_publish)
 
     # --- connection ownership ------------------------------------------------------
     def _open(self) -> None:

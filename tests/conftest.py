@@ -31,6 +31,16 @@ REPO = Path(__file__).resolve().parent.parent
 LOCAL_BROKER = "amqp://guest:guest@127.0.0.1:5672/%2F"
 RODAN_EMAIL = "hpc@example.org"
 RODAN_PASSWORD = "standin-password-9f2c"
+# Settings for a training request that finishes in seconds on 2 cores.
+FAST_SETTINGS = {
+    "Maximum number of training epochs": 2,
+    "Maximum number of samples per label": 100,
+    "Patch height": 64,
+    "Patch width": 64,
+    "Maximum time (D-HH:MM)": "0-00:15",
+    "Maximum memory (MB)": 4096,
+    "CPUs": 1,
+}
 
 
 def _answers(host: str, port: int) -> bool:

@@ -12,19 +12,11 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, bridge_environ, cancel_spool_jobs, jobs_named, wait_until
+from tests.conftest import FAST_SETTINGS, REPO, bridge_environ, cancel_spool_jobs, jobs_named, wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.broker]
 
-SETTINGS = {
-    "Maximum number of training epochs": 1,
-    "Maximum number of samples per label": 100,
-    "Patch height": 64,
-    "Patch width": 64,
-    "Maximum time (D-HH:MM)": "0-00:05",
-    "Maximum memory (MB)": 2048,
-    "CPUs": 1,
-}
+SETTINGS = {**FAST_SETTINGS, "Maximum number of training epochs": 1, "Maximum memory (MB)": 2048}
 
 
 class Daemon:

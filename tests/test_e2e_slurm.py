@@ -22,6 +22,7 @@ import pytest
 
 from bridge.standin.server import token_for_email
 from tests.conftest import (
+    FAST_SETTINGS,
     RODAN_EMAIL,
     Rodan,
     bridge_environ,
@@ -34,15 +35,7 @@ from tests.conftest import (
 
 pytestmark = [pytest.mark.slurm, pytest.mark.broker]
 
-FAST = {
-    "Maximum number of training epochs": 2,
-    "Maximum number of samples per label": 100,
-    "Patch height": 64,
-    "Patch width": 64,
-    "Maximum time (D-HH:MM)": "0-00:15",
-    "Maximum memory (MB)": 4096,
-    "CPUs": 1,
-}
+FAST = FAST_SETTINGS
 
 
 class Harness:

@@ -1,0 +1,185 @@
+"""Reconciliation decisions, with a scripted scheduler (the real one is covered in test_e2e_slurm)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import pytest
+
+from bridge.config import load_config
+from bridge.errors import SchedulerUnavailable
+from bridge.ledger import Ledger, RequestRecord, RequestState
+from bridge.reconcile import Reconciler
+from bridge.replies import ReplyBox
+from bridge.schedulers import JobInfo, JobSpec, JobState, Scheduler
+from bridge.spool import Spool, atomic_write_json
+
+
+class ScriptedScheduler(Scheduler):
+    name = "slurm"
+    template_name = "slurm.sh"
+    directive_prefix = "#SBATCH"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.infos: dict[str, JobInfo] = {}
+        self.down = False
+
+    def directives(self, spec: JobSpec) -> list[str]:
+        return []
+
+    def submit(self, script: Path, spec: JobSpec) -> str:
+        raise AssertionError("reconciliation never submits")
+
+    def query(self, job_ids: Sequence[str]) -> Mapping[str, JobInfo]:
+        if self.down:
+            raise SchedulerUnavailable("slurmctld down")
+        return {j: self.infos[j] for j in job_ids if j in self.infos}
+
+    def find_by_name(self, name: str) -> list[str]:
+        return []
+
+    def cancel(self, job_id: str) -> None:
+        pass
+
+
+@pytest.fixture
+def world(tmp_path: Path):
+    config = load_config(
+        environ={
+            "RABBITMQ_URL": "amqp://g:g@127.0.0.1/%2F",
+            "RODAN_HOST": "r",
+            "RODAN_USER": "u@x.org",
+            "RODAN_PASSWORD": "p",
+            "HPC_SPOOL_DIR": str(tmp_path),
+            "HPC_MISSING_TIMEOUT": "60",
+        }
+    )
+    spool = Spool(tmp_path).ensure()
+    ledger = Ledger(spool)
+    scheduler = ScriptedScheduler()
+    replies = ReplyBox(spool)
+    return Reconciler(config, spool, ledger, scheduler, replies), ledger, scheduler, replies
+
+
+def submitted(ledger: Ledger, corr: str, job_id: str) -> RequestRecord:
+    record = RequestRecord(
+        correlation_id=corr,
+        key=corr,
+        reply_to="hpc-results",
+        state=RequestState.SUBMITTED,
+        job_id=job_id,
+        job_name=f"rodan-{corr}",
+        time_limit="0-06:00",
+        memory_mb=8000,
+    )
+    ledger.save(record)
+    return record
+
+
+def staged_errors(replies: ReplyBox) -> dict[str, str]:
+    return {e.correlation_id: json.loads(e.body_path.read_bytes())["error"] for e in replies.staged()}
+
+
+@pytest.mark.parametrize(
+    ("native", "state", "fragment"),
+    [
+        ("TIMEOUT", JobState.TIMEOUT, "TIMEOUT after 0-06:00"),
+        ("OUT_OF_MEMORY", JobState.OUT_OF_MEMORY, "OUT_OF_MEMORY with 8000 MB"),
+        ("CANCELLED by 1000", JobState.CANCELLED, "CANCELLED"),
+        ("FAILED", JobState.FAILED, "FAILED, exit code 1:0"),
+        ("NODE_FAIL", JobState.NODE_FAIL, "compute node failed"),
+        ("PREEMPTED", JobState.PREEMPTED, "preempted"),
+        ("BOOT_FAIL", JobState.BOOT_FAIL, "failed to boot"),
+        ("DEADLINE", JobState.DEADLINE, "deadline"),
+        ("COMPLETED", JobState.COMPLETED, "finished without sending its models"),
+    ],
+)
+def test_every_terminal_state_gets_one_explained_error(world, native, state, fragment):
+    reconciler, ledger, scheduler, replies = world
+    submitted(ledger, "c1", "7")
+    scheduler.infos["7"] = JobInfo("7", state, native, exit_code="1:0", source="accounting")
+    assert reconciler.reconcile() == 1
+    error = staged_errors(replies)["c1"]
+    assert fragment in error and "Slurm job 7" in error
+    # staged once: a second pass before the outbox is flushed stages nothing new
+    assert reconciler.reconcile() == 0 and len(replies.staged()) == 1
+
+
+@pytest.mark.parametrize("state", [JobState.PENDING, JobState.RUNNING, JobState.REQUEUED, JobState.SUSPENDED])
+def test_live_jobs_are_left_alone(world, state):
+    reconciler, ledger, scheduler, replies = world
+    submitted(ledger, "c1", "7")
+    scheduler.infos["7"] = JobInfo("7", state, state.value)
+    assert reconciler.reconcile() == 0 and replies.staged() == []
+    assert ledger.get("c1").job_state == state.value
+
+
+def test_a_vanished_job_is_judged_only_after_the_timeout(world):
+    reconciler, ledger, scheduler, replies = world
+    record = submitted(ledger, "c1", "7")
+    assert reconciler.reconcile() == 0 and replies.staged() == []
+    assert ledger.get("c1").missing_since > 0
+    record = ledger.get("c1")
+    record.missing_since -= 61
+    ledger.save(record)
+    assert reconciler.reconcile() == 1
+    assert "vanished" in staged_errors(replies)["c1"]
+
+
+def test_reappearing_job_resets_the_missing_clock(world):
+    reconciler, ledger, scheduler, replies = world
+    submitted(ledger, "c1", "7")
+    reconciler.reconcile()
+    scheduler.infos["7"] = JobInfo("7", JobState.RUNNING, "RUNNING")
+    reconciler.reconcile()
+    assert ledger.get("c1").missing_since == 0.0
+
+
+def test_replied_requests_are_settled_and_not_judged(world):
+    reconciler, ledger, scheduler, replies = world
+    submitted(ledger, "c1", "7")
+    scheduler.infos["7"] = JobInfo("7", JobState.COMPLETED, "COMPLETED")
+    atomic_write_json(replies.spool.reply_marker("c1"), {"outcome": "ok", "published_at": 1.0})
+    assert reconciler.reconcile() == 0 and replies.staged() == []
+    assert ledger.get("c1").state is RequestState.REPLIED and ledger.get("c1").outcome == "ok"
+
+
+def test_a_reply_waiting_in_the_outbox_is_not_replaced_by_an_error(world):
+    reconciler, ledger, scheduler, replies = world
+    submitted(ledger, "c1", "7")
+    scheduler.infos["7"] = JobInfo("7", JobState.COMPLETED, "COMPLETED")
+    replies.stage("c1", "hpc-results", b'{"Model 0": "AAAA"}', origin="worker")
+    assert reconciler.reconcile() == 0
+    assert [e.origin for e in replies.staged()] == ["worker"]
+
+
+def test_scheduler_down_judges_nothing(world):
+    reconciler, ledger, scheduler, replies = world
+    submitted(ledger, "c1", "7")
+    scheduler.down = True
+    assert reconciler.reconcile() == 0 and replies.staged() == []
+    assert ledger.get("c1").missing_since == 0.0, "an unreachable scheduler is not a missing job"
+
+
+def test_a_worker_staged_reply_is_the_workers_until_its_job_ends(world):
+    """The worker may be publishing its staged reply right now: the bridge must not race it."""
+    reconciler, ledger, scheduler, replies = world
+    submitted(ledger, "c1", "7")
+    entry = replies.stage("c1", "hpc-results", b'{"Model 0": "AAAA"}', origin="worker")
+    assert not reconciler.may_publish(entry), "job state unknown yet"
+    scheduler.infos["7"] = JobInfo("7", JobState.RUNNING, "RUNNING")
+    reconciler.reconcile()
+    assert not reconciler.may_publish(entry)
+    scheduler.infos["7"] = JobInfo("7", JobState.COMPLETED, "COMPLETED")
+    reconciler.reconcile()
+    assert reconciler.may_publish(entry)
+    assert [e.origin for e in replies.staged()] == ["worker"], "no error reply staged beside the models"
+
+
+def test_bridge_staged_replies_and_orphans_are_always_publishable(world):
+    reconciler, ledger, scheduler, replies = world
+    assert reconciler.may_publish(replies.stage("c9", "q", b'{"error": "x"}', origin="bridge"))
+    assert reconciler.may_publish(replies.stage("c8", "q", b'{"error": "x"}', origin="worker")), "no ledger record"
