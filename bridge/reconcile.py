@@ -108,7 +108,7 @@ class Reconciler:
                 record.missing_since = 0.0
                 record.job_ended = info.state.is_terminal
                 if info.state.is_terminal and record.key in staged:
-                    log.info("job_ended_reply_waiting", note="a staged reply for this request goes out with the next flush")
+                    log.info("job_ended_reply_waiting", note="its staged reply goes out with the next flush")
                 elif info.state.is_terminal:
                     reason = explain(record, info, self.scheduler.name)
                     log.error("job_ended_without_reply", state=info.state.value, reason=reason)
