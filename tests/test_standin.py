@@ -491,7 +491,6 @@ def test_sample_page_selected_box_and_jpeg(tmp_path):
         make_sample_page(tmp_path, generation="new", n_layers=11)
 
 
-@pytest.mark.skipif(not (EINSIEDELN_DIR / "Neumes.png").exists(), reason="no Einsiedeln data")
 @pytest.mark.parametrize("generation", ["old", "new"])
 def test_synthesize_page_from_masks_crop(tmp_path, generation):
     crop = (512, 1024, 1024, 1536)

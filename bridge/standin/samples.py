@@ -7,7 +7,7 @@ resource PATH, ``/uploads/projects/.../original_file``) that Rodan would publish
 - :func:`make_sample_page`: a small synthetic page (parchment, staves, neumes, text, optional extra
   symbol classes) whose layers partition the selected region exactly;
 - :func:`synthesize_page_from_masks`: an RGB page synthesized from the real Einsiedeln annotation
-  layers (``/work/shared/data/einsiedeln-32r-263v``), optionally cropped.
+  layers (``../shared/data/einsiedeln-32r-263v`` beside the checkout), optionally cropped.
 
 numpy and Pillow are imported inside the functions, so importing this module costs nothing.
 Everything is deterministic for a given ``seed``.
@@ -16,6 +16,7 @@ Everything is deterministic for a given ``seed``.
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -37,7 +38,12 @@ __all__ = [
 
 Generation = Literal["old", "new"]
 
-EINSIEDELN_DIR = Path("/work/shared/data/einsiedeln-32r-263v")
+#: The real Einsiedeln layers live in the project's shared/ folder beside the checkout (never copied in);
+#: HPC_EINSIEDELN_DIR points elsewhere.
+EINSIEDELN_DIR = Path(
+    os.environ.get("HPC_EINSIEDELN_DIR")
+    or Path(__file__).resolve().parents[3] / "shared" / "data" / "einsiedeln-32r-263v"
+)
 
 #: The older job's layer inputs, in the order of their reply keys (Music Symbol, Staff Lines, Text).
 OLD_LAYER_INPUTS = ("Music Layer", "Staff Layer", "Text")
