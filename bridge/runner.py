@@ -65,6 +65,13 @@ class PassStats:
     outcomes: dict[str, int] = field(default_factory=dict)
 
 
+def _wake(connection: pika.BlockingConnection) -> None:
+    try:
+        connection.add_callback_threadsafe(lambda: None)
+    except CONNECTION_ERRORS:
+        pass  # closed meanwhile: the owner notices on its own
+
+
 class Bridge:
     def __init__(self, config: BridgeConfig, *, scheduler: Scheduler | None = None) -> None:
         self.config = config
@@ -278,9 +285,13 @@ class Bridge:
         """Run ``fn`` on the helper thread while this thread services the connection."""
         context = contextvars.copy_context()  # keeps the bound log context on the helper thread
         future: Future[T] = self._executor.submit(context.run, fn, *args)
+        connection = self._connection
+        if connection is not None and connection.is_open:
+            # Wake process_data_events the moment the work is done, instead of at its next timeout.
+            future.add_done_callback(lambda _f: _wake(connection))
         while not future.done():
-            if self._connection is not None and self._connection.is_open:
-                self._connection.process_data_events(time_limit=0.1)
+            if connection is not None and connection.is_open:
+                connection.process_data_events(time_limit=1.0)
             else:
                 wait([future], timeout=0.1)
         return future.result()

@@ -253,16 +253,15 @@ def jobs_named(name: str) -> list[str]:
 
 
 def jobs_started(name: str) -> list[str]:
-    """Jobs with this name that the scheduler accepted and started (a submit-time rejection is
-    still recorded by slurmdbd, as FAILED with no start time)."""
+    """Jobs with this name whose batch script ran. A submit-time rejection is still recorded by
+    slurmdbd (FAILED, sometimes even with a start time), but it never has a ``.batch`` step."""
     acct = subprocess.run(
-        ["sacct", "-n", "-X", "-P", "--name", name, "-S", "now-1days", "-o", "JobIDRaw,Start"],
+        ["sacct", "-n", "-P", "--name", name, "-S", "now-1days", "-o", "JobIDRaw"],
         capture_output=True,
         text=True,
     )
-    return sorted(
-        line.split("|")[0] for line in acct.stdout.splitlines() if line.split("|")[-1] not in ("", "None", "Unknown")
-    )
+    steps = acct.stdout.split()
+    return sorted(s.removesuffix(".batch") for s in steps if s.endswith(".batch"))
 
 
 def run_bridge(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

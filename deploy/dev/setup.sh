@@ -50,5 +50,16 @@ else
     say "RabbitMQ is up"
 fi
 
+# --- tools the deploy-file tests use (shellcheck on run_check, logrotate -d on the config) -----
+missing=()
+for pkg in shellcheck logrotate; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing+=("$pkg")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    say "installing ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
 # --- Slurm ---------------------------------------------------------------------------
 bash deploy/dev/slurm.sh up

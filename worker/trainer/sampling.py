@@ -13,22 +13,36 @@ The original (Rodan's HPC version of Calvo's ``getTrain``) walks the page::
                         take the ph x pw patch whose top-left corner is
                         (row - ph // 2, col - pw // 2) as a sample of layer l
 
-so every candidate pixel passes a first test with probability ``1/factor`` and, given
-that, each layer that covers it takes it independently with probability
-``min(1, ratio[l])``. :func:`sample_centres` draws exactly that distribution with array
-operations, a block of rows at a time: one uniform per candidate pixel for the first test,
-then one uniform per (passing pixel, layer) for the second. The original draws the second
-uniform only when the layer covers the pixel (``and`` short-circuits), but all draws are
-independent, so drawing them for every layer and ignoring those of uncovered layers leaves
-the joint distribution unchanged; so does not drawing any for pixels that failed the first
-test, whose second draws the original never makes. Samples come out in the original's
-order (row-major, as appended), which matters because the validation split takes the last
-ones. The same seed gives the same samples; it does not give the original loop's samples
-for that seed, since the random numbers are consumed in another order.
+so every candidate pixel passes a first test with probability ``p = min(1, 1/factor)`` and,
+given that, each layer that covers it takes it, independently, with probability
+``q[l] = min(1, ratio[l])``. The original draws the second ``random()`` only for the layers
+that cover the pixel; drawing it for every layer and ignoring it where the layer does not
+cover the pixel changes nothing, since all draws are independent. So: the passing candidates
+are what independent Bernoulli(p) trials keep along the row-major sequence of candidates, and
+layer ``l`` takes those of the passing candidates that independent Bernoulli(q[l]) trials
+keep along *their* sequence and that ``l`` covers.
+
+:func:`sample_centres` draws exactly that distribution without a random number per pixel:
+the indices that independent Bernoulli(p) trials keep along a sequence are the partial sums
+of independent geometric(p) gaps (:class:`BernoulliTrials`). On a real page (63 M pixels,
+54 M candidates) that is about 0.5 M geometric numbers for the first test, then fewer than
+that per layer, instead of 54 M uniforms and a Python-level step per pixel; and a mask is
+looked up only where its layer's second test passed (about ``cap * candidates / count[l]``
+times for layer ``l``), not at every passing candidate. It walks the page in bands of ``band_rows`` rows,
+so its memory is bounded by a band, whatever the page's height: it never allocates anything
+of the page's size (the masks are only read: counted, then looked up at a few pixels).
+
+Each of the ``1 + len(masks)`` trial sequences has its own random stream, spawned from
+``rng``, and consumes it in the same order whatever the bands are, so the samples depend on
+``rng``'s state only: not on ``band_rows`` (tests check this). Samples come out in the
+original's order (row-major, as appended), which matters because the validation split takes
+the last ones. The same seed gives the same samples; it does not give the original loop's
+samples for that seed, since the random numbers are drawn differently.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -36,11 +50,17 @@ import numpy.typing as npt
 
 #: The original's ``factor``: the first test passes one candidate pixel in a hundred.
 SAMPLING_FACTOR = 100
-#: Rows are processed in blocks of about this many candidate pixels (bounds memory; part of
-#: what makes a seed reproducible, so changing it changes the samples drawn for a seed).
-BLOCK_PIXELS = 1 << 20
+#: Rows of the page walked at a time: bounds the memory (about ``8 * BAND_ROWS * width / factor``
+#: bytes per array of passing candidates); it does not change which samples a seed draws.
+BAND_ROWS = 512
+#: The most geometric gaps drawn at a time per trial sequence (irrelevant to the samples drawn).
+GAP_CHUNK = 1 << 14
+#: The largest gap drawn between two kept indices: gaps are clipped there, which changes
+#: nothing on any page of fewer than a trillion candidate pixels and keeps sums in int64.
+MAX_GAP = float(1 << 40)
 
 Centres = npt.NDArray[np.int64]
+Indices = npt.NDArray[np.int64]
 
 
 def samples_per_label(counts: Sequence[int], max_samples_per_label: int) -> int:
@@ -61,6 +81,65 @@ def centre_ranges(height: int, width: int, patch_height: int, patch_width: int) 
     return range(patch_height, height - patch_height - 1), range(patch_width, width - patch_width - 1)
 
 
+class BernoulliTrials:
+    """The indices ``0, 1, 2, ...`` that independent Bernoulli(``probability``) trials keep.
+
+    Drawn lazily as geometric gaps (:meth:`_gaps`), at most :data:`GAP_CHUNK` at a time, and handed out in
+    increasing order by :meth:`kept_below`. The indices kept depend only on ``rng`` and
+    ``probability``, not on how the calls to :meth:`kept_below` split the sequence.
+    """
+
+    def __init__(self, rng: np.random.Generator, probability: float) -> None:
+        self._rng = rng
+        self._probability = min(1.0, probability)
+        self._scale = 1.0 / -math.log1p(-self._probability) if 0.0 < self._probability < 1.0 else 0.0
+        self._pending: Indices = np.empty(0, dtype=np.int64)
+        self._last = -1  # the largest index drawn so far
+
+    def _gaps(self, wanted: int) -> Indices:
+        """``wanted`` independent geometric(p) gaps (1, 2, ...) between kept indices.
+
+        ``floor(E / lambda) + 1`` with ``E`` standard exponential and ``lambda = -log(1 - p)``
+        is geometric: it is ``k`` with probability ``exp(-(k-1) lambda) - exp(-k lambda) =
+        (1-p)^(k-1) p``. (About twice as fast as ``Generator.geometric`` here.) Gaps are
+        clipped at :data:`MAX_GAP`, far beyond any page, so that the indices cannot overflow.
+        The exponentials come one after the other from the stream however many are drawn at
+        a time, so ``wanted`` does not change the gaps.
+        """
+        if self._probability >= 1.0:  # every trial succeeds: no random numbers needed
+            return np.ones(wanted, dtype=np.int64)
+        scaled = self._rng.standard_exponential(wanted)
+        scaled *= self._scale
+        np.minimum(scaled, MAX_GAP, out=scaled)
+        gaps: Indices = scaled.astype(np.int64)  # truncation is floor: the values are >= 0
+        gaps += 1
+        return gaps
+
+    def kept_below(self, stop: int) -> Indices:
+        """The kept indices below ``stop`` that no earlier call returned, in increasing order."""
+        if self._probability <= 0.0:
+            return np.empty(0, dtype=np.int64)
+        parts: list[Indices] = []
+        while True:
+            if self._pending.size == 0:
+                if self._last + 1 >= stop:
+                    break
+                # About as many gaps as reach ``stop`` (few on a small page), at most GAP_CHUNK.
+                expected = self._probability * (stop - self._last - 1)
+                gaps = self._gaps(min(GAP_CHUNK, int(expected + 4 * math.sqrt(expected)) + 16))
+                self._pending = self._last + np.cumsum(gaps)
+                self._last = int(self._pending[-1])
+            below = int(np.searchsorted(self._pending, stop))
+            if below:
+                parts.append(self._pending[:below])
+                self._pending = self._pending[below:]
+            if self._pending.size:
+                break
+        if not parts:
+            return np.empty(0, dtype=np.int64)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
 def sample_centres(
     masks: Mapping[str, npt.NDArray[np.bool_]],
     patch_height: int,
@@ -68,38 +147,66 @@ def sample_centres(
     max_samples_per_label: int,
     rng: np.random.Generator,
     factor: float = SAMPLING_FACTOR,
+    *,
+    band_rows: int = BAND_ROWS,
 ) -> dict[str, Centres]:
     """Draw the sample centres of every layer, as the module docstring describes.
 
     Returns, per label and in the order of ``masks``, an ``(n, 2)`` int64 array of
     ``(row, col)`` centres in row-major order. The patch of a centre has its top-left
     corner at ``(row - patch_height // 2, col - patch_width // 2)``. Every mask must have
-    the same shape and at least one pixel.
+    the same 2-D shape and at least one (nonzero) pixel. ``band_rows`` only bounds the
+    memory used; the centres drawn depend on ``rng``'s state alone.
     """
+    if factor <= 0:
+        raise ValueError(f"the sampling factor must be positive, not {factor}")
+    if band_rows < 1:
+        raise ValueError(f"band_rows must be at least 1, not {band_rows}")
     labels = list(masks)
     if not labels:
         return {}
-    stack = [np.asarray(masks[label], dtype=bool) for label in labels]
-    height, width = stack[0].shape
-    counts = {label: int(np.count_nonzero(mask)) for label, mask in zip(labels, stack, strict=True)}
+    arrays = [np.asarray(masks[label]) for label in labels]  # views: never a copy of a mask
+    shape = arrays[0].shape
+    if len(shape) != 2 or any(array.shape != shape for array in arrays):
+        raise ValueError(f"the masks must all have the same 2-D shape, not {[a.shape for a in arrays]}")
+    height, width = shape
+    counts = {label: int(np.count_nonzero(array)) for label, array in zip(labels, arrays, strict=True)}
     if min(counts.values()) == 0:
         raise ValueError("every mask needs at least one pixel")
-    ratios = np.array(list(selection_ratios(counts, max_samples_per_label, factor).values()))
+    ratios = selection_ratios(counts, max_samples_per_label, factor)
+
+    # One independent stream per trial sequence, all derived from rng's state.
+    seeds = np.random.SeedSequence(rng.integers(0, 2**63, size=4)).spawn(1 + len(labels))
+    streams = [np.random.default_rng(seed) for seed in seeds]
+    passing = BernoulliTrials(streams[0], 1.0 / factor)
+    taking = [BernoulliTrials(stream, ratios[label]) for stream, label in zip(streams[1:], labels, strict=True)]
+    # Looking pixels up by their flat index is twice as fast, where the mask allows it.
+    flat = [array.reshape(-1) if array.flags.c_contiguous else None for array in arrays]
+
     rows, cols = centre_ranges(height, width, patch_height, patch_width)
     found: list[list[Centres]] = [[] for _ in labels]
+    passed_before = 0  # candidates that passed the first test in earlier bands
     if len(rows) > 0 and len(cols) > 0:
-        block = max(1, BLOCK_PIXELS // len(cols))
-        threshold = 1.0 / factor
-        for first in range(rows.start, rows.stop, block):
-            last = min(first + block, rows.stop)
-            passed = rng.random((last - first, len(cols))) < threshold
-            r, c = np.nonzero(passed)  # row-major order, like the loops
-            r = r + first
-            c = c + cols.start
-            takes = rng.random((r.size, len(labels))) < ratios
-            for index, mask in enumerate(stack):
-                chosen = mask[r, c] & takes[:, index]
-                found[index].append(np.stack([r[chosen], c[chosen]], axis=1).astype(np.int64))
+        for band_start in range(0, len(rows), band_rows):
+            band_stop = min(band_start + band_rows, len(rows))
+            candidates = passing.kept_below(band_stop * len(cols))  # row-major indices in the window
+            passed = candidates.size
+            for index, array in enumerate(arrays):
+                # Layer l's second test for every passing candidate, then whether l covers those
+                # that pass it: the same as testing only the covered ones, and far fewer look-ups.
+                trials = taking[index].kept_below(passed_before + passed) - passed_before
+                if trials.size == 0:
+                    continue
+                r, c = np.divmod(candidates[trials], len(cols))
+                r += rows.start
+                c += cols.start
+                page_flat = flat[index]
+                covered = page_flat[r * width + c] if page_flat is not None else array[r, c]
+                if covered.dtype != np.bool_:
+                    covered = covered != 0
+                if covered.any():
+                    found[index].append(np.stack([r[covered], c[covered]], axis=1))
+            passed_before += passed
     result: dict[str, Centres] = {}
     for label, parts in zip(labels, found, strict=True):
         result[label] = np.concatenate(parts) if parts else np.empty((0, 2), dtype=np.int64)
