@@ -58,6 +58,8 @@ class BridgeConfig:
     broker_heartbeat_s: int = 30
     broker_ca_file: str | None = None
     missing_timeout_s: float = 3600.0
+    runs_dir: Path | None = None  # default SPOOL/runs
+    save_optimizer: bool = False
     log_file: Path | None = None
     log_level: str = "INFO"
     credentials_file: Path | None = None
@@ -154,6 +156,8 @@ def load_config(credentials: Path | None = None, environ: Mapping[str, str] | No
         broker_heartbeat_s=get.integer("HPC_BROKER_HEARTBEAT", 30, minimum=1),
         broker_ca_file=get.text("RABBITMQ_CA_FILE", "") or None,
         missing_timeout_s=get.number("HPC_MISSING_TIMEOUT", 3600.0),
+        runs_dir=Path(get.text("HPC_RUNS_DIR", "")).expanduser() if get.text("HPC_RUNS_DIR", "") else None,
+        save_optimizer=get.boolean("HPC_SAVE_OPTIMIZER", False),
         log_file=Path(log_file).expanduser() if log_file else None,
         log_level=get.text("HPC_LOG_LEVEL", "INFO"),
         credentials_file=Path(raw["HPC_BRIDGE_CREDENTIALS"]) if raw.get("HPC_BRIDGE_CREDENTIALS") else None,
@@ -216,6 +220,16 @@ class _Getter:
         if not value.strip():
             raise ConfigError(f"{name} is not set")
         return value
+
+    def boolean(self, name: str, default: bool) -> bool:
+        value = self.raw.get(name, "").strip().lower()
+        if not value:
+            return default
+        if value in {"1", "true", "yes", "on"}:
+            return True
+        if value in {"0", "false", "no", "off"}:
+            return False
+        raise ConfigError(f"{name} must be true or false, got {value!r}")
 
     def integer(self, name: str, default: int, *, minimum: int = 0) -> int:
         value = self.raw.get(name, "").strip()

@@ -195,6 +195,8 @@ class Intake:
             "rodan": {"base_url": self.config.rodan_base_url, "token": token},
             "broker": {"url": self.config.broker_url, "ca_file": self.config.broker_ca_file},
             "spool": str(self.spool.root),
+            "runs_dir": str(self.config.runs_dir or self.spool.root / "runs"),
+            "save_optimizer": self.config.save_optimizer,
             "max_reply_bytes": self.config.max_reply_bytes,
             "created_at": time.time(),
             "bridge_pid": os.getpid(),

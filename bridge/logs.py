@@ -9,11 +9,12 @@ token, passwords) from every event, whatever key it hides under.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 from collections.abc import MutableMapping
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 import structlog
 
@@ -57,16 +58,47 @@ def _redaction_processor(_logger: Any, _name: str, event_dict: MutableMapping[st
     return event_dict
 
 
+class LogStream(Protocol):
+    def write(self, text: str, /) -> int: ...
+    def flush(self) -> None: ...
+
+
+class _Tee:
+    """Write each log line to several files (the job's stdout and its run directory's job.log)."""
+
+    def __init__(self, *outputs: LogStream) -> None:
+        self.outputs = outputs
+
+    def write(self, text: str) -> int:
+        for out in self.outputs:
+            out.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        for out in self.outputs:
+            out.flush()
+
+
+def _open_append(path: Path) -> TextIO:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = path.open("a", encoding="utf-8", buffering=1)
+    os.chmod(path, 0o600)
+    return handle
+
+
 def configure_logging(
-    *, level: str = "INFO", log_file: Path | None = None, stream: TextIO | None = None, component: str = "bridge"
+    *,
+    level: str = "INFO",
+    log_file: Path | None = None,
+    stream: LogStream | None = None,
+    component: str = "bridge",
+    also_to: Path | None = None,
 ) -> None:
-    """JSON lines to ``log_file`` (appended) or ``stream`` (default stderr)."""
-    out: TextIO
-    if log_file is not None:
-        log_file.parent.mkdir(parents=True, exist_ok=True)
-        out = log_file.open("a", encoding="utf-8", buffering=1)
-    else:
-        out = stream if stream is not None else sys.stderr
+    """JSON lines to ``log_file`` (appended, 0600) or ``stream`` (default stderr), and ``also_to``."""
+    out: Any = _open_append(log_file) if log_file is not None else (stream if stream is not None else sys.stderr)
+    if also_to is not None:
+        out = _Tee(out, _open_append(also_to))
+    _settings.update(level=level, component=component, out=out)
     numeric = logging.getLevelName(level.upper())
     if not isinstance(numeric, int):
         numeric = logging.INFO
@@ -87,6 +119,18 @@ def configure_logging(
     # pika and urllib3 log through the stdlib; keep them quiet unless asked.
     logging.basicConfig(level=logging.WARNING, stream=out, format="%(name)s %(levelname)s %(message)s")
     logging.getLogger("pika").setLevel(logging.CRITICAL if numeric > logging.DEBUG else logging.INFO)
+
+
+_settings: dict[str, Any] = {}
+
+
+def tee_logs_to(path: Path) -> None:
+    """From now on, also append every log line to ``path`` (e.g. a job's run directory)."""
+    if not _settings:
+        configure_logging()
+    configure_logging(
+        level=_settings["level"], stream=_Tee(_settings["out"], _open_append(path)), component=_settings["component"]
+    )
 
 
 def _add_component(component: str) -> Any:

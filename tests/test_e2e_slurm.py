@@ -132,6 +132,14 @@ def test_both_generations_train_on_slurm_and_reply_with_loadable_models(harness,
         assert jobs_named(record["job_name"]) == [record["job_id"]]
         assert not (harness.spool / "params" / f"{corr}.json").exists(), "the worker deletes the parameter file"
         assert '"event": "epoch"' in harness.job_output(corr)
+        # The job's run directory on persistent storage: log, history, curves, TensorBoard, settings.
+        (run_dir,) = (harness.spool / "runs").glob(f"*-{corr}")
+        assert '"event": "epoch"' in (run_dir / "job.log").read_text()
+        assert json.loads((run_dir / "settings.json").read_text())["patch_height"] == 64
+        history = np.load(run_dir / "history.npz")
+        assert len(history[f"{keys[0]}/val_accuracy"]) >= 1
+        assert (run_dir / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert list((run_dir / "tensorboard").rglob("events.out.tfevents.*"))
 
     # Secrets: the token and passwords are nowhere but the (deleted) parameter file.
     secrets = [token_for_email(RODAN_EMAIL), harness.env["RODAN_PASSWORD"]]

@@ -15,17 +15,22 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from bridge.amqp import connect
 from bridge.errors import BridgeError, BrokerUnavailable
-from bridge.logs import register_secret
+from bridge.logs import register_secret, tee_logs_to
 from bridge.protocol import error_reply, success_reply
 from bridge.replies import ReplyBox
 from bridge.rodan import RodanClient
 from bridge.spool import Spool, read_json
+from bridge.spool import safe_key as spool_key
+from worker.gpumon import GpuMonitor
+
+if TYPE_CHECKING:
+    from worker.trainer.rundir import RunDirectory
 
 log = structlog.get_logger("worker")
 
@@ -42,6 +47,8 @@ class JobParameters:
     broker_url: str
     broker_ca_file: str | None
     spool: Path
+    runs_dir: Path
+    save_optimizer: bool
     max_reply_bytes: int
 
     @classmethod
@@ -57,6 +64,8 @@ class JobParameters:
             broker_url=str(data["broker"]["url"]),
             broker_ca_file=data["broker"].get("ca_file"),
             spool=Path(data["spool"]),
+            runs_dir=Path(data.get("runs_dir") or Path(data["spool"]) / "runs"),
+            save_optimizer=bool(data.get("save_optimizer", False)),
             max_reply_bytes=int(data.get("max_reply_bytes", 128 * 1024 * 1024)),
         )
 
@@ -85,11 +94,22 @@ def run_job(params_path: Path) -> int:
     if replies.already_replied(params.correlation_id):
         log.warning("already_replied", note="this request was answered before; nothing to do")
         return 0
-    log.info("job_start", layers=[key for _, key in params.layers], host=os.uname().nodename)
+    try:
+        # Imports TensorFlow: an environment that cannot train still gets its error reply.
+        from worker.trainer.rundir import RunDirectory
+
+        run_dir = RunDirectory.create(params.runs_dir, spool_key(params.correlation_id))
+    except Exception as exc:
+        log.error("job_failed", step="starting", error=_describe(exc))
+        deliver(replies, params, error_reply(f"the training job failed while starting: {_describe(exc)}"))
+        return 1
+    tee_logs_to(run_dir.log_path)
+    log.info("job_start", layers=[key for _, key in params.layers], host=os.uname().nodename, run_dir=str(run_dir.path))
     started = time.monotonic()
     workdir = Path(tempfile.mkdtemp(prefix="hpc-worker-", dir=os.environ.get("TMPDIR")))
     try:
-        body = success_reply(train(params, workdir))
+        with GpuMonitor(run_dir.path / "gpu.csv"):
+            body = success_reply(train(params, workdir, run_dir))
         ok = True
     except StepFailed as exc:
         log.error("job_failed", step=exc.step, error=str(exc.cause), error_type=type(exc.cause).__name__)
@@ -102,7 +122,7 @@ def run_job(params_path: Path) -> int:
     return 0 if ok else 1
 
 
-def train(params: JobParameters, workdir: Path) -> dict[str, bytes]:
+def train(params: JobParameters, workdir: Path, run_dir: RunDirectory | None = None) -> dict[str, bytes]:
     """Download, load, train; returns reply key -> HDF5 bytes. Raises StepFailed."""
     rodan = RodanClient(params.rodan_base_url, token=params.token)
     files: dict[str, Path] = {}
@@ -129,11 +149,12 @@ def train(params: JobParameters, workdir: Path) -> dict[str, bytes]:
         patch_width=int(s["patch_width"]),
         batch_size=int(s.get("batch_size", 16)),
         patience=int(s.get("patience", 3)),
+        include_optimizer=params.save_optimizer,
     )
     out_dir = workdir / "models"
     out_dir.mkdir()
     try:
-        paths = train_page(page, settings, out_dir, on_epoch=lambda event: log.info("epoch", **event))
+        paths = train_page(page, settings, out_dir, on_epoch=lambda event: log.info("epoch", **event), run_dir=run_dir)
     except Exception as exc:
         raise StepFailed("training", exc) from exc
     return {key: Path(paths[key]).read_bytes() for _, key in params.layers}

@@ -26,7 +26,8 @@ def build_sae(height: int, width: int) -> Any:
     Two convolutions per level down (32, 64 filters, 2x2 max-pooling after each), a
     256-filter bottleneck of two convolutions, two up-sampling levels that each
     concatenate with the matching down level (U-Net style), and a 1x1 sigmoid output:
-    one probability per pixel that it belongs to the layer. Layers are named (the
+    one probability per pixel that it belongs to the layer (float32 even when the model is
+    built under a mixed-precision policy). Layers are named (the
     original's were Keras' automatic names) so that every model, whenever it is built in
     the process, has the same layer and optimizer-variable names.
     """
@@ -54,7 +55,9 @@ def build_sae(height: int, width: int) -> Any:
     conv9 = _conv(ff * 2, 3, "conv9_1")(merge9)
     conv9 = _conv(ff * 2, 3, "conv9_2")(conv9)
     conv9 = _conv(2, 3, "conv9_3")(conv9)
-    outputs = keras.layers.Conv2D(1, 1, activation="sigmoid", name="probability")(conv9)
+    # float32 whatever the global dtype policy: under mixed_float16 the probabilities, and so
+    # the loss, stay float32 (under float32 this changes nothing, not even the saved config).
+    outputs = keras.layers.Conv2D(1, 1, activation="sigmoid", name="probability", dtype="float32")(conv9)
     return keras.Model(inputs=inputs, outputs=outputs, name="sae")
 
 

@@ -9,6 +9,10 @@ from worker.trainer.errors import TrainingInputError
 #: The network pools twice by 2 and concatenates the up-sampled maps with the earlier
 #: ones, so a patch side must be a multiple of 4 or the shapes do not line up.
 PATCH_MULTIPLE = 4
+#: Values of ``TrainSettings.strategy`` besides a tuple of device names.
+STRATEGY_CHOICES = ("auto", "mirrored", "default")
+#: Values of ``TrainSettings.mixed_precision``.
+MIXED_PRECISION_CHOICES = ("auto", "on", "off", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -19,6 +23,14 @@ class TrainSettings:
     sooner), ``max_samples_per_label`` its "Maximum number of samples per label".
     ``include_optimizer`` keeps the Adam state in the saved files (three times larger;
     Rodan only infers, so it is off by default).
+
+    ``batch_size`` is per replica: with ``n`` replicas (GPUs) a step takes ``n *
+    batch_size`` patches. ``strategy`` chooses the ``tf.distribute`` strategy: ``"auto"``
+    (MirroredStrategy over all GPUs when more than one is visible, else the default
+    strategy), ``"mirrored"``, ``"default"``, or a tuple of device names for
+    ``MirroredStrategy(devices=...)`` (a list is turned into a tuple). ``mixed_precision``
+    is ``"auto"`` (``mixed_float16`` when a GPU is visible, float32 on the CPU), ``"on"`` or
+    ``"off"``, or ``"bfloat16"`` (``mixed_bfloat16``, opt-in). See :mod:`worker.trainer.distribute`.
     """
 
     epochs: int = 15
@@ -30,6 +42,8 @@ class TrainSettings:
     validation_split: float = 0.2
     seed: int | None = None
     include_optimizer: bool = False
+    strategy: str | tuple[str, ...] = "auto"
+    mixed_precision: str = "auto"
 
     def __post_init__(self) -> None:
         if self.epochs < 1:
@@ -53,3 +67,18 @@ class TrainSettings:
             )
         if self.seed is not None and self.seed < 0:
             raise TrainingInputError(f"the seed must be a non-negative integer, not {self.seed}")
+        if isinstance(self.strategy, str):
+            if self.strategy not in STRATEGY_CHOICES:
+                raise TrainingInputError(
+                    f"the strategy must be one of {', '.join(STRATEGY_CHOICES)} or a list of devices, "
+                    f"not {self.strategy!r}"
+                )
+        else:
+            devices = tuple(self.strategy)
+            if not devices or not all(isinstance(d, str) and d for d in devices):
+                raise TrainingInputError(f"the strategy's devices must be non-empty names, not {self.strategy!r}")
+            object.__setattr__(self, "strategy", devices)  # frozen: a list would not hash
+        if self.mixed_precision not in MIXED_PRECISION_CHOICES:
+            raise TrainingInputError(
+                f"mixed_precision must be one of {', '.join(MIXED_PRECISION_CHOICES)}, not {self.mixed_precision!r}"
+            )

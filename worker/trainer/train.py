@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -12,9 +13,10 @@ import numpy as np
 from worker.trainer._tf import keras
 from worker.trainer.callbacks import MONITOR, BestEpoch, EpochCallback, EpochReporter
 from worker.trainer.dataset import PatchDataset, split_validation
+from worker.trainer.distribute import plan_training, trained_optimizer_variables
 from worker.trainer.errors import TrainingInputError
-from worker.trainer.model import get_sae
 from worker.trainer.page import Page
+from worker.trainer.rundir import RunDirectory
 from worker.trainer.sampling import Centres, centre_ranges, sample_centres
 from worker.trainer.saving import LabelResult, model_file_names, save_model
 from worker.trainer.settings import TrainSettings
@@ -96,7 +98,8 @@ def train_label(
     """Train a fresh SAE on ``label``'s samples and return its best epoch.
 
     The first ``1 - validation_split`` of ``centres`` train (reshuffled every epoch), the
-    rest validate, batch ``settings.batch_size``; at most ``settings.epochs`` epochs with
+    rest validate, ``settings.batch_size`` patches per replica and step (see
+    :mod:`worker.trainer.distribute` for the strategy and the precision); at most ``settings.epochs`` epochs with
     early stopping on val_accuracy. ``init_seed`` seeds Keras (weight initialisation);
     ``callbacks`` are extra Keras callbacks, run after the trainer's own.
     """
@@ -106,10 +109,12 @@ def train_label(
     ph, pw = settings.patch_height, settings.patch_width
     if init_seed is not None:
         keras.utils.set_random_seed(init_seed)
-    model = get_sae(ph, pw)
+    plan = plan_training(settings)  # every GPU; batch_size per replica, plan.global_batch_size per step
+    model = plan.build_model(ph, pw)  # created and compiled inside plan.strategy.scope()
     mask = np.asarray(page.masks[label], dtype=bool)
-    train_data = PatchDataset(page.image, mask, train_centres, ph, pw, settings.batch_size, shuffle_rng=shuffle_rng)
-    validation_data = PatchDataset(page.image, mask, validation_centres, ph, pw, settings.batch_size)
+    batch = plan.global_batch_size
+    train_data = PatchDataset(page.image, mask, train_centres, ph, pw, batch, shuffle_rng=shuffle_rng)
+    validation_data = PatchDataset(page.image, mask, validation_centres, ph, pw, batch)
     best = BestEpoch(keep_optimizer=settings.include_optimizer)
     stopper = keras.callbacks.EarlyStopping(monitor=MONITOR, patience=settings.patience, mode="max")
     reporter = EpochReporter(label, len(train_centres), on_epoch)
@@ -121,11 +126,13 @@ def train_label(
         callbacks=[best, stopper, reporter, *callbacks],
         verbose=0,
     )
-    weights, optimizer_variables = best.weights, best.optimizer_variables
+    weights, optimizer_variables = best.weights, trained_optimizer_variables(model, best.optimizer_variables)
     if weights is None:  # no epoch reported val_accuracy: keep what training ended with
         weights = model.get_weights()
         if settings.include_optimizer:
-            optimizer_variables = [np.array(keras.ops.convert_to_numpy(v)) for v in model.optimizer.variables]
+            optimizer_variables = trained_optimizer_variables(
+                model, [np.array(keras.ops.convert_to_numpy(v)) for v in model.optimizer.variables]
+            )
     values = {key: [float(v) for v in series] for key, series in history.history.items()}
     return LabelResult(
         label=label,
@@ -145,6 +152,7 @@ def train_page(
     settings: TrainSettings,
     out_dir: Path,
     on_epoch: EpochCallback | None = None,
+    run_dir: RunDirectory | None = None,
 ) -> dict[str, Path]:
     """Train one model per layer of ``page`` (in ``page.masks`` order) into ``out_dir``.
 
@@ -156,7 +164,14 @@ def train_page(
     With ``settings.seed`` the sampling, the shuffling and the weight initialisation are
     reproducible (the seed goes to ``keras.utils.set_random_seed``, which also seeds
     Python's and NumPy's global generators).
+
+    With ``run_dir`` the settings go to its settings.json first, each layer's fit writes
+    TensorBoard summaries to ``run_dir.tensorboard_dir(label)``, every epoch's record is
+    kept there too, and after each layer its history files and curves are rewritten.
     """
+    if run_dir is not None:  # first, so that a run that fails on its input still says how it was set
+        run_dir.write_settings(dataclasses.asdict(settings))
+        on_epoch = run_dir.epoch_callback(on_epoch)
     check_page(page, settings)
     labels = list(page.masks)
     sampling_seed, *label_seeds = np.random.SeedSequence(settings.seed).spawn(1 + len(labels))
@@ -182,10 +197,13 @@ def train_page(
             shuffle_rng=np.random.default_rng(shuffle_seed),
             init_seed=None if settings.seed is None else int(init_seed.generate_state(1)[0]),
             on_epoch=on_epoch,
+            callbacks=() if run_dir is None else run_dir.keras_callbacks(label),
         )
         paths[label] = save_model(result, out_dir / names[label], settings)
         log.info(
             "layer %r: best val_accuracy %.4f at epoch %d of %d, saved to %s",
             label, result.best_val_accuracy, result.best_epoch, result.epochs_run, paths[label],
         )  # fmt: skip
+        if run_dir is not None:
+            run_dir.write_artifacts()
     return paths

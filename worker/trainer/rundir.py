@@ -1,0 +1,267 @@
+"""A timestamped run directory: settings, TensorBoard summaries, per-epoch statistics, curves.
+
+One training run writes everything that explains it under one directory, so a finished or
+killed job can be looked at afterwards (``tensorboard --logdir <run>/tensorboard``, NumPy,
+a spreadsheet, or the PNG)::
+
+    <root>/<YYYYmmdd-HHMMSS>-<name>/       (mode 0700; the timestamp is UTC)
+        settings.json                      the resolved TrainSettings
+        job.log                            the worker's JSON log lines (the worker tees them here)
+        tensorboard/<label>/train/...      one TensorBoard log directory per layer
+        tensorboard/<label>/validation/...
+        history.npz                        per-epoch statistics as arrays (see below)
+        history.csv                        the same, one row per layer and epoch
+        training_curves.png                loss and accuracy per layer, training and validation
+
+``history.npz`` holds one float64 array per layer and statistic, keyed
+``"<label>/<statistic>"`` for every statistic in :data:`HISTORY_COLUMNS` (``epoch``,
+``loss``, ``accuracy``, ``val_loss``, ``val_accuracy``, ``seconds``,
+``samples_per_second``); element ``i`` is epoch ``i + 1`` (``<label>/epoch`` says so
+explicitly), a metric Keras did not report is NaN. The label is the layer's name as
+given, so split a key at its *last* ``/``. The key ``labels`` (no ``/``) is a unicode
+array of the labels in training order. Read it with
+``np.load(path)`` (no pickling needed).
+
+``history.csv`` has the header ``label,epoch,loss,accuracy,val_loss,val_accuracy,seconds,
+samples_per_second`` and one row per layer and epoch, in training order (floats written
+in full precision, ``nan`` where missing).
+
+The history files and the plot are rewritten whole (temporary file, then ``os.replace``),
+so a reader never sees a half-written one. A RunDirectory is meant for one thread.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import io
+import json
+import logging
+import math
+import os
+import re
+import tempfile
+from collections.abc import Callable, Mapping
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from worker.trainer.callbacks import EPOCH_KEYS
+
+log = logging.getLogger(__name__)
+
+#: The columns of history.csv (the keys of every epoch record, see EpochReporter).
+HISTORY_COLUMNS = EPOCH_KEYS
+#: The per-layer arrays of history.npz: every column but the label.
+HISTORY_STATISTICS = tuple(key for key in EPOCH_KEYS if key != "label")
+TIMESTAMP_FORMAT = "%Y%m%d-%H%M%S"
+SETTINGS_FILE = "settings.json"
+LOG_FILE = "job.log"
+HISTORY_NPZ = "history.npz"
+HISTORY_CSV = "history.csv"
+CURVES_PNG = "training_curves.png"
+TENSORBOARD_DIR = "tensorboard"
+#: The npz key that lists the labels in order.
+LABELS_KEY = "labels"
+
+
+def safe_name(name: str, default: str = "run", limit: int = 80) -> str:
+    """A portable file-name part: "Layer 0/ä" -> "Layer_0"."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._-")[:limit] or default
+
+
+def _write_atomic(path: Path, write: Callable[[IO[bytes]], object]) -> Path:
+    """Call ``write`` on a temporary file beside ``path``, then rename it over ``path``."""
+    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            write(handle)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return path
+
+
+class RunDirectory:
+    """One training run's directory; make one with :meth:`create`."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._records: dict[str, list[dict[str, Any]]] = {}
+        self._tensorboard_names: dict[str, str] = {}
+        self._warned_tensorboard = False
+
+    @classmethod
+    def create(cls, root: Path, name: str, *, now: datetime | None = None) -> RunDirectory:
+        """Make ``root/<UTC YYYYmmdd-HHMMSS>-<safe name>/`` with mode 0700.
+
+        ``root`` is made if missing. A second run with the same name in the same second
+        gets ``-2``, ``-3``, ... appended, never someone else's directory.
+        """
+        root = Path(root)
+        root.mkdir(parents=True, exist_ok=True)
+        moment = (now or datetime.now(timezone.utc)).astimezone(timezone.utc)
+        stem = f"{moment.strftime(TIMESTAMP_FORMAT)}-{safe_name(name)}"
+        candidate, number = root / stem, 2
+        while True:
+            try:
+                candidate.mkdir(mode=0o700)
+                break
+            except FileExistsError:
+                candidate, number = root / f"{stem}-{number}", number + 1
+        candidate.chmod(0o700)  # mkdir's mode is filtered by the umask
+        return cls(candidate)
+
+    # ----------------------------------------------------------------------------- paths
+
+    @property
+    def log_path(self) -> Path:
+        """Where the worker tees its JSON log lines (``job.log``); nothing here writes it."""
+        return self.path / LOG_FILE
+
+    @property
+    def settings_path(self) -> Path:
+        return self.path / SETTINGS_FILE
+
+    @property
+    def history_npz_path(self) -> Path:
+        return self.path / HISTORY_NPZ
+
+    @property
+    def history_csv_path(self) -> Path:
+        return self.path / HISTORY_CSV
+
+    @property
+    def curves_path(self) -> Path:
+        return self.path / CURVES_PNG
+
+    def tensorboard_dir(self, label: str) -> Path:
+        """``tensorboard/<safe label>/``, distinct per label (also on case-insensitive file systems)."""
+        name = self._tensorboard_names.get(label)
+        if name is None:
+            stem = safe_name(label, default="layer", limit=100)
+            taken = {n.lower() for n in self._tensorboard_names.values()}
+            name, number = stem, 2
+            while name.lower() in taken:
+                name, number = f"{stem}_{number}", number + 1
+            self._tensorboard_names[label] = name
+        directory = self.path / TENSORBOARD_DIR / name
+        directory.mkdir(parents=True, exist_ok=True)
+        return directory
+
+    def tensorboard_callback(self, label: str) -> Any:
+        """A Keras TensorBoard callback writing epoch scalars for ``label`` (no graph, no histograms).
+
+        Its event files go to ``tensorboard_dir(label)/train`` and ``.../validation``, with the
+        tags ``epoch_loss`` and ``epoch_accuracy`` (and the learning rate) at steps 0, 1, ...
+        """
+        from worker.trainer._tf import keras
+
+        return keras.callbacks.TensorBoard(
+            log_dir=str(self.tensorboard_dir(label)), histogram_freq=0, write_graph=False, update_freq="epoch"
+        )
+
+    def keras_callbacks(self, label: str) -> list[Any]:
+        """The callbacks for ``label``'s fit: its TensorBoard callback, or none (with a warning)
+        where the ``tensorboard`` package, which writes the summaries, is not installed."""
+        if importlib.util.find_spec("tensorboard") is None:
+            if not self._warned_tensorboard:
+                log.warning("the tensorboard package is not installed: no TensorBoard summaries in %s", self.path)
+                self._warned_tensorboard = True
+            return []
+        return [self.tensorboard_callback(label)]
+
+    # ----------------------------------------------------------------------------- writing
+
+    def write_settings(self, settings: Mapping[str, Any]) -> Path:
+        """Write ``settings`` to settings.json (a value JSON has no type for is written as its str())."""
+        text = json.dumps(dict(settings), indent=2, sort_keys=True, default=str) + "\n"
+        return _write_atomic(self.settings_path, lambda handle: handle.write(text.encode()))
+
+    def record_epoch(self, label: str, epoch_metrics: Mapping[str, Any]) -> None:
+        """Keep one epoch's statistics (a dict as EpochReporter gives; missing keys become NaN)."""
+        record: dict[str, Any] = {"label": label}
+        for key in HISTORY_STATISTICS:
+            value = epoch_metrics.get(key)
+            record[key] = math.nan if value is None else float(value)
+        self._records.setdefault(label, []).append(record)
+
+    @property
+    def history(self) -> dict[str, list[dict[str, Any]]]:
+        """label -> its epoch records, in the order recorded (copies)."""
+        return {label: [dict(r) for r in records] for label, records in self._records.items()}
+
+    def history_arrays(self) -> dict[str, np.ndarray[Any, Any]]:
+        """What history.npz holds: ``labels`` and ``"<label>/<statistic>"`` float64 arrays."""
+        arrays: dict[str, np.ndarray[Any, Any]] = {LABELS_KEY: np.array(list(self._records), dtype=np.str_)}
+        for label, records in self._records.items():
+            for key in HISTORY_STATISTICS:
+                arrays[f"{label}/{key}"] = np.array([r[key] for r in records], dtype=np.float64)
+        return arrays
+
+    def write_history(self) -> tuple[Path, Path]:
+        """Rewrite history.npz and history.csv from every epoch recorded so far."""
+        arrays = self.history_arrays()
+        _write_atomic(self.history_npz_path, lambda handle: np.savez(handle, **arrays))  # type: ignore[arg-type]
+        text = io.StringIO()
+        writer = csv.writer(text, lineterminator="\n")
+        writer.writerow(HISTORY_COLUMNS)
+        for records in self._records.values():
+            for record in records:
+                writer.writerow(
+                    [record["label"], int(record["epoch"]) if math.isfinite(record["epoch"]) else "nan"]
+                    + [repr(record[key]) for key in HISTORY_STATISTICS if key != "epoch"]
+                )
+        data = text.getvalue().encode()
+        _write_atomic(self.history_csv_path, lambda handle: handle.write(data))
+        return self.history_npz_path, self.history_csv_path
+
+    def plot_curves(self) -> Path:
+        """Draw training_curves.png: per layer, loss and accuracy by epoch, training and validation."""
+        from matplotlib.backends.backend_agg import FigureCanvasAgg  # Agg, without pyplot's global state
+        from matplotlib.figure import Figure
+
+        labels = list(self._records) or [""]
+        figure = Figure(figsize=(10, 2.8 * len(labels) + 0.6), dpi=100, layout="constrained")
+        FigureCanvasAgg(figure)
+        axes = figure.subplots(len(labels), 2, squeeze=False)
+        for row, label in enumerate(labels):
+            records = self._records.get(label, [])
+            epochs = [r["epoch"] for r in records]
+            for column, metric in enumerate(("loss", "accuracy")):
+                ax = axes[row][column]
+                if records:
+                    ax.plot(epochs, [r[metric] for r in records], "o-", label="training")
+                    ax.plot(epochs, [r[f"val_{metric}"] for r in records], "s--", label="validation")
+                    ax.legend(loc="best", fontsize="small")
+                    ax.set_title(f"{label}: {metric}")
+                else:
+                    ax.text(0.5, 0.5, "no epochs recorded", ha="center", va="center", transform=ax.transAxes)
+                ax.set_xlabel("epoch")
+                ax.set_ylabel(metric)
+                ax.grid(True, alpha=0.3)
+                ax.xaxis.get_major_locator().set_params(integer=True)
+        return _write_atomic(self.curves_path, lambda handle: figure.savefig(handle, format="png"))
+
+    def write_artifacts(self) -> None:
+        """Rewrite the history files and the plot; a failing plot is logged, never raised."""
+        self.write_history()
+        try:
+            self.plot_curves()
+        except Exception:
+            log.warning("could not draw %s", self.curves_path, exc_info=True)
+
+    def epoch_callback(
+        self, on_epoch: Callable[[dict[str, Any]], None] | None = None
+    ) -> Callable[[dict[str, Any]], None]:
+        """An EpochCallback that records every epoch here, then passes it on to ``on_epoch``."""
+
+        def record(event: dict[str, Any]) -> None:
+            self.record_epoch(str(event["label"]), event)
+            if on_epoch is not None:
+                on_epoch(event)
+
+        return record
