@@ -47,6 +47,13 @@ class PatchDataset(keras.utils.PyDataset):  # type: ignore[misc]
     ``(b, ph, pw, 1)``, 1 where the layer is. With ``shuffle_rng`` the order is a fresh
     permutation at the start of every epoch (what ``fit(shuffle=True)`` does to the
     training part); without it the samples keep their order (validation data).
+
+    Batches hold ``batch_size`` patches, the last one the rest. With ``multiple_of`` (the
+    replicas of a MirroredStrategy, which splits every batch among them; ``batch_size``
+    must be a multiple of it) the last batch is topped up to a multiple of it by repeating
+    some of its own patches (fewer than ``multiple_of`` per epoch), so that every replica
+    gets an equal, non-empty share: with an empty share oneDNN's convolution fails, and
+    uneven shares failed now and then in Keras' distributed step (TF 2.21, Keras 3.15).
     """
 
     def __init__(
@@ -58,6 +65,7 @@ class PatchDataset(keras.utils.PyDataset):  # type: ignore[misc]
         patch_width: int,
         batch_size: int,
         shuffle_rng: np.random.Generator | None = None,
+        multiple_of: int = 1,
     ) -> None:
         super().__init__()
         self._images = sliding_window_view(image, (patch_height, patch_width, image.shape[2]))
@@ -66,6 +74,9 @@ class PatchDataset(keras.utils.PyDataset):  # type: ignore[misc]
         self._batch_size = batch_size
         self._rng = shuffle_rng
         self._order: npt.NDArray[np.int64] = np.arange(len(self._corners), dtype=np.int64)
+        if multiple_of < 1 or batch_size % multiple_of:
+            raise ValueError(f"the batch size {batch_size} is not a multiple of {multiple_of}")
+        self._multiple_of = multiple_of
 
     @property
     def samples(self) -> int:
@@ -84,6 +95,8 @@ class PatchDataset(keras.utils.PyDataset):  # type: ignore[misc]
         if not 0 <= index < len(self):
             raise IndexError(index)
         chosen = self._order[index * self._batch_size : (index + 1) * self._batch_size]
+        if len(chosen) % self._multiple_of:  # the last batch: top it up with its own patches
+            chosen = np.resize(chosen, -(-len(chosen) // self._multiple_of) * self._multiple_of)
         rows, cols = self._corners[chosen, 0], self._corners[chosen, 1]
         x = network_input(self._images[rows, cols, 0])
         y = self._masks[rows, cols].astype(np.float32)[..., np.newaxis]

@@ -13,20 +13,25 @@ therefore takes ``batch_size * replicas`` patches (the *global* batch), split ev
 across the replicas, and an epoch has ``ceil(train samples / global batch)`` steps. The
 loss is averaged over the global batch, so the gradient is that of a ``batch_size *
 replicas`` batch: with 4 GPUs an epoch has a quarter of the steps of a 1-GPU epoch. The
-learning rate is not scaled.
+learning rate is not scaled. The last batch of an epoch is topped up to a multiple of the
+replicas with a few of its own patches, so that every replica gets an equal share (see
+:class:`worker.trainer.dataset.PatchDataset`).
 
 **Mixed precision.** With a GPU (``TrainSettings.mixed_precision == "auto"``) or with
 ``"on"``, the model is built under Keras' ``mixed_float16`` policy: layers compute in
 float16 and keep float32 variables, the final sigmoid layer is float32 (so the
 probabilities and the binary cross-entropy are float32), and ``compile`` wraps Adam in a
 ``LossScaleOptimizer`` (Keras 3 does so for a ``mixed_float16`` model). ``"auto"`` leaves
-the CPU in float32: float16 convolutions are slow there. ``"bfloat16"`` (opt-in, never
-chosen by ``"auto"``) builds under ``mixed_bfloat16`` instead, with no loss scaling: on a
-CPU with AVX-512 BF16 it measured about 1.5 times faster than float32 at 256x256 with 40 %
-less memory (``benchmarks/bench_throughput.py``, ``bench_memory.py``), but its effect on
-the trained models' accuracy has not been evaluated. The saved ``.hdf5`` never carries
-the policy: :func:`worker.trainer.saving.save_model` writes the best weights (float32
-variables) into a freshly built float32 model, which loads and predicts float32 anywhere.
+the CPU in float32: float16 convolutions are slow there (``mixed_float16`` trained 6.5 times
+slower than float32 on the project's 2-core CPU). ``"bfloat16"`` (opt-in, never chosen by
+``"auto"``) builds under ``mixed_bfloat16`` instead, with no loss scaling: on that CPU (it
+has AVX-512 BF16) it trained 1.75 times faster than float32 at 64x64 and 256x256, and a
+4-layer 256x256 run peaked at 3.9 GB instead of 6.1 (``benchmarks/bench_throughput.py``,
+``bench_memory.py``); its effect on the trained models' accuracy has not been evaluated.
+
+The saved ``.hdf5`` never carries the policy: :func:`worker.trainer.saving.save_model`
+writes the best weights (float32 variables) into a freshly built float32 model, which loads
+and predicts float32 anywhere.
 """
 
 from __future__ import annotations

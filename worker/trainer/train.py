@@ -113,8 +113,11 @@ def train_label(
     model = plan.build_model(ph, pw)  # created and compiled inside plan.strategy.scope()
     mask = np.asarray(page.masks[label], dtype=bool)
     batch = plan.global_batch_size
-    train_data = PatchDataset(page.image, mask, train_centres, ph, pw, batch, shuffle_rng=shuffle_rng)
-    validation_data = PatchDataset(page.image, mask, validation_centres, ph, pw, batch)
+    replicas = plan.replicas  # every batch a multiple of this: an equal share per replica
+    train_data = PatchDataset(
+        page.image, mask, train_centres, ph, pw, batch, shuffle_rng=shuffle_rng, multiple_of=replicas
+    )
+    validation_data = PatchDataset(page.image, mask, validation_centres, ph, pw, batch, multiple_of=replicas)
     best = BestEpoch(keep_optimizer=settings.include_optimizer)
     stopper = keras.callbacks.EarlyStopping(monitor=MONITOR, patience=settings.patience, mode="max")
     reporter = EpochReporter(label, len(train_centres), on_epoch)

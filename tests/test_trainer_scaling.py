@@ -1,0 +1,364 @@
+"""Scaling of worker.trainer: bounded memory, tf.distribute strategies, mixed precision (CPU).
+
+The memory test trains in fresh interpreters (subprocesses) so that each peak RSS belongs to
+one run alone; the others train in this process on tiny pages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("keras")  # the worker extra is not installed on login nodes
+
+import h5py
+import keras
+
+from worker.trainer import Page, TrainingInputError, TrainSettings, train_page
+from worker.trainer.dataset import PatchDataset
+from worker.trainer.distribute import (
+    BFLOAT16_POLICY,
+    MIXED_POLICY,
+    dtype_policy,
+    make_strategy,
+    plan_training,
+    precision_policy,
+    strategy_name,
+)
+from worker.trainer.sampling import centre_ranges, selection_ratios
+from worker.trainer.train import train_label
+
+pytestmark = pytest.mark.filterwarnings(  # TensorFlow's variables and NumPy 2, inside Keras
+    "ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning"
+)
+
+REPO = Path(__file__).resolve().parent.parent
+PATCH = 32
+
+
+def striped_page(height: int = 160, width: int = 160) -> Page:
+    ink = np.zeros((height, width), dtype=bool)
+    for row in range(20, height, 24):
+        ink[row : row + 6, :] = True
+    image = np.empty((height, width, 3), dtype=np.uint8)
+    image[:] = (235, 225, 200)
+    image[ink] = (40, 20, 10)
+    return Page(image=image, masks={"Background": ~ink, "Layer 0": ink})
+
+
+TINY = TrainSettings(epochs=1, max_samples_per_label=40, patch_height=PATCH, patch_width=PATCH, seed=5)
+
+
+def run_child(code: str, *args: str, timeout: float = 240, **environ: str) -> dict[str, Any]:
+    """Run ``code`` in a fresh interpreter at the repository root; return its last line as JSON."""
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(REPO), **environ}
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+# --------------------------------------------------------------------------- settings and choices
+
+
+def test_settings_accept_strategies_and_precisions() -> None:
+    assert TrainSettings().strategy == "auto" and TrainSettings().mixed_precision == "auto"
+    devices = TrainSettings(strategy=["/cpu:0"])  # type: ignore[arg-type]  # a list, as a test would pass it
+    assert devices.strategy == ("/cpu:0",)
+    hash(devices)  # still a frozen, hashable dataclass
+    for value in ("auto", "mirrored", "default"):
+        assert TrainSettings(strategy=value).strategy == value
+    for value in ("auto", "on", "off", "bfloat16"):
+        assert TrainSettings(mixed_precision=value).mixed_precision == value
+    with pytest.raises(TrainingInputError, match="strategy"):
+        TrainSettings(strategy="horovod")
+    with pytest.raises(TrainingInputError, match="devices"):
+        TrainSettings(strategy=())
+    with pytest.raises(TrainingInputError, match="mixed_precision"):
+        TrainSettings(mixed_precision="float16")
+
+
+def test_strategy_and_precision_choice() -> None:
+    # "auto": MirroredStrategy only with more than one GPU; mixed precision only with a GPU.
+    assert strategy_name(make_strategy("auto", gpus=0)) == "default"
+    assert strategy_name(make_strategy("auto", gpus=1)) == "default"
+    assert strategy_name(make_strategy("default", gpus=4)) == "default"
+    # With 2 GPUs "auto" mirrors over all of them; here there are none, so it mirrors on the CPU.
+    assert strategy_name(make_strategy("auto", gpus=2)) == "MirroredStrategy"
+    assert strategy_name(make_strategy("mirrored", gpus=0)) == "MirroredStrategy"
+    forced = make_strategy(("/cpu:0",), gpus=0)
+    assert strategy_name(forced) == "MirroredStrategy" and forced.num_replicas_in_sync == 1
+    assert precision_policy("auto", 0) == "float32"
+    assert precision_policy("auto", 1) == MIXED_POLICY == "mixed_float16"
+    assert precision_policy("on", 0) == MIXED_POLICY and precision_policy("off", 4) == "float32"
+    assert precision_policy("bfloat16", 0) == BFLOAT16_POLICY == "mixed_bfloat16"
+    plan = plan_training(TrainSettings(batch_size=8))  # this machine: no GPU
+    assert (strategy_name(plan.strategy), plan.replicas, plan.global_batch_size, plan.policy) == (
+        "default", 1, 8, "float32",
+    )  # fmt: skip
+
+
+def test_model_is_built_and_compiled_in_the_strategy_scope_under_the_policy() -> None:
+    plan = plan_training(dataclasses.replace(TINY, strategy=("/cpu:0",), mixed_precision="on"))
+    before = keras.config.dtype_policy().name
+    model = plan.build_model(PATCH, PATCH)
+    assert keras.config.dtype_policy().name == before == "float32"  # restored after the build
+    assert model.distribute_strategy is plan.strategy
+    mirrored = [type(v.value).__name__ for v in [*model.variables, *model.optimizer.variables]]
+    assert set(mirrored) == {"MirroredVariable"}  # weights and Adam's state, created in the scope
+    assert plan.strategy.extended.variable_created_in_scope(model.trainable_variables[0].value)
+    assert model.dtype_policy.name == "mixed_float16"
+    assert model.layers[1].compute_dtype == "float16" and model.layers[1].variable_dtype == "float32"
+    assert model.layers[-1].name == "probability" and model.layers[-1].compute_dtype == "float32"
+    assert type(model.optimizer).__name__ == "LossScaleOptimizer"
+    assert type(model.optimizer.inner_optimizer).__name__ == "Adam"
+
+
+# --------------------------------------------------------------------------- strategies
+
+
+@pytest.mark.training
+def test_forced_mirrored_strategy_on_one_cpu_trains_and_saves(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    settings = dataclasses.replace(TINY, strategy=("/cpu:0",), include_optimizer=True)
+    page = striped_page()
+    del page.masks["Background"]  # one layer is enough
+    with caplog.at_level(logging.INFO, logger="worker.trainer.distribute"):
+        paths = train_page(page, settings, tmp_path)
+    assert list(paths) == ["Layer 0"]
+    assert any("MirroredStrategy strategy, 1 replica(s)" in r.getMessage() for r in caplog.records)
+    x = np.random.default_rng(0).random((2, PATCH, PATCH, 3), dtype=np.float32)
+    for path in paths.values():
+        model = keras.models.load_model(path)  # with Adam's state: it loads compiled
+        assert model.optimizer is not None and model.count_params() == 1_429_733
+        prediction = model.predict(x, verbose=0)
+        assert prediction.dtype == np.float32 and np.all((prediction >= 0) & (prediction <= 1))
+
+
+MIRRORED_CHILD = """
+import json, math, sys
+from pathlib import Path
+import tensorflow as tf
+(cpu,) = tf.config.list_physical_devices("CPU")
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras, numpy as np
+from worker.trainer import Page, TrainSettings
+from worker.trainer.distribute import plan_training
+from worker.trainer.saving import save_model
+from worker.trainer.train import train_label
+
+ink = np.zeros((160, 160), bool); ink[::8] = True
+image = np.where(ink[..., None], 30, 230).astype(np.uint8).repeat(3, axis=2)
+page = Page(image, {"Layer": ink})
+settings = TrainSettings(epochs=2, patch_height=32, patch_width=32, batch_size=4, seed=1,
+                         strategy=("/cpu:0", "/cpu:1"), include_optimizer=True)
+centres = np.stack(np.meshgrid(np.arange(40, 120, 4), np.arange(40, 120, 8)), -1).reshape(-1, 2)[:52]
+
+class Count(keras.callbacks.Callback):
+    steps = 0
+    def on_train_batch_end(self, batch, logs=None):
+        Count.steps += 1
+
+plan = plan_training(settings)
+result = train_label(page, "Layer", centres, settings, shuffle_rng=np.random.default_rng(0), callbacks=[Count()])
+path = save_model(result, Path(sys.argv[1]), settings)
+model = keras.models.load_model(path)
+y = model.predict(image[None, 40:72, 40:72, ::-1].astype("float32") / 255, verbose=0)
+print(json.dumps({"replicas": plan.replicas, "global_batch": plan.global_batch_size, "steps": Count.steps,
+                  "train": result.train_samples, "epochs": result.epochs_run, "dtype": str(y.dtype),
+                  "in_range": bool(((y >= 0) & (y <= 1)).all()), "best": result.best_epoch}))
+"""
+
+
+@pytest.mark.training
+def test_mirrored_strategy_on_two_cpu_replicas_uses_the_global_batch(tmp_path: Path) -> None:
+    # Two logical CPU devices stand in for two GPUs: 2 replicas of batch 4, a global batch of 8.
+    # 52 samples: 41 train, 5 x 8 + 1; the last batch is topped up to 2 (one patch each).
+    result = run_child(MIRRORED_CHILD, str(tmp_path / "mirrored.hdf5"))
+    assert result["replicas"] == 2 and result["global_batch"] == 8
+    assert result["train"] == 41 and result["epochs"] == 2
+    assert result["steps"] == 2 * math.ceil(41 / 8)  # 6 steps of up to 8 patches per epoch, not 11 of 4
+    assert result["dtype"] == "float32" and result["in_range"] and result["best"] >= 1
+
+
+def test_every_batch_splits_evenly_among_the_replicas() -> None:
+    page = striped_page()
+    mask = page.masks["Layer 0"]
+
+    def sizes(n: int, batch: int, replicas: int) -> list[int]:
+        centres = np.stack([np.full(n, 60), 40 + np.arange(n) % 80], axis=1).astype(np.int64)
+        data = PatchDataset(page.image, mask, centres, PATCH, PATCH, batch, multiple_of=replicas)
+        return [len(data[i][0]) for i in range(len(data))]
+
+    assert sizes(41, 8, 1) == [8, 8, 8, 8, 8, 1]  # one replica: as before
+    assert sizes(41, 8, 2) == [8, 8, 8, 8, 8, 2]  # the last patch once more
+    assert sizes(43, 8, 4) == [8, 8, 8, 8, 8, 4]
+    assert sizes(3, 8, 4) == [4]  # fewer patches than replicas
+    centres = np.array([[60, 50], [60, 70], [60, 90]], dtype=np.int64)
+    x, _ = PatchDataset(page.image, mask, centres, PATCH, PATCH, 4, multiple_of=4)[0]
+    np.testing.assert_array_equal(x[3], x[0])  # topped up with its own patches
+    with pytest.raises(ValueError, match="multiple"):
+        PatchDataset(page.image, mask, centres, PATCH, PATCH, 6, multiple_of=4)
+
+
+# --------------------------------------------------------------------------- mixed precision
+
+
+class PolicyProbe(keras.callbacks.Callback):  # type: ignore[misc]
+    seen: dict[str, Any] = {}
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        PolicyProbe.seen = {
+            "policy": self.model.dtype_policy.name,
+            "optimizer": type(self.model.optimizer).__name__,
+            "output": self.model.layers[-1].compute_dtype,
+        }
+
+
+@pytest.mark.training
+@pytest.mark.parametrize("setting", ["on", "bfloat16"])
+def test_mixed_precision_on_cpu_saves_a_float32_model(tmp_path: Path, setting: str) -> None:
+    page = striped_page()
+    settings = dataclasses.replace(TINY, mixed_precision=setting, include_optimizer=True)
+    centres = np.stack(np.meshgrid(np.arange(40, 120, 5), np.arange(40, 120, 10)), -1).reshape(-1, 2)[:40]
+    result = train_label(
+        page, "Layer 0", centres, settings, shuffle_rng=np.random.default_rng(0), callbacks=[PolicyProbe()]
+    )
+    expected = {"on": ("mixed_float16", "LossScaleOptimizer"), "bfloat16": ("mixed_bfloat16", "Adam")}[setting]
+    assert (PolicyProbe.seen["policy"], PolicyProbe.seen["optimizer"]) == expected
+    assert PolicyProbe.seen["output"] == "float32"  # probabilities and loss in float32
+    assert keras.config.dtype_policy().name == "float32"  # nothing leaks into later models
+    assert all(w.dtype == np.float32 for w in result.weights)
+
+    from worker.trainer.saving import save_model
+
+    path = save_model(result, tmp_path / "mixed.hdf5", settings)
+    with h5py.File(path, "r") as f:
+        config = f.attrs["model_config"]
+        assert "mixed" not in (config.decode() if isinstance(config, bytes) else config)  # a float32 model
+        assert len(f["optimizer_weights"].attrs["weight_names"]) == len(result.optimizer_variables or [])
+    # Rodan's side: a CPU-only machine loads it and predicts float32 probabilities.
+    with dtype_policy("float32"):
+        model = keras.models.load_model(path)
+    assert type(model.optimizer).__name__ == "Adam"
+    patch = page.image[50 : 50 + PATCH, 60 : 60 + PATCH]
+    x = ((255.0 - patch[np.newaxis, ..., ::-1]) / 255.0).astype(np.float32)
+    prediction = model.predict(x, verbose=0)
+    assert prediction.dtype == np.float32 and prediction.shape == (1, PATCH, PATCH, 1)
+    assert np.all((prediction >= 0) & (prediction <= 1)) and np.all(np.isfinite(prediction))
+
+
+# --------------------------------------------------------------------------- bounded memory
+
+MEMORY_CHILD = """
+import json, logging, resource, sys
+from pathlib import Path
+import numpy as np
+from worker.trainer import Page, TrainSettings, train_page
+
+samples, side, split, epochs = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+out = sys.argv[5]
+found, steps = [], []
+
+class Grab(logging.Handler):
+    def emit(self, record):
+        if str(record.msg).startswith("layer %r: training on"):
+            found.append(int(record.args[1]) + int(record.args[2]))
+
+logger = logging.getLogger("worker.trainer.train")
+logger.addHandler(Grab())
+logger.setLevel(logging.INFO)
+rng = np.random.default_rng(0)
+image = rng.integers(0, 256, (side, side, 3), dtype=np.uint8)  # the same page in both runs
+page = Page(image, {"Everything": np.ones((side, side), bool)})
+settings = TrainSettings(epochs=epochs, patience=epochs, max_samples_per_label=samples, patch_height=64,
+                         patch_width=64, seed=3, validation_split=split)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+train_page(page, settings, Path(out), on_epoch=steps.append)
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"samples": found, "epochs": len(steps), "before_kb": before, "peak_kb": after}))
+"""
+
+#: The memory test's page: one layer covering a square page of this side.
+MEMORY_PAGE = 1200
+MEMORY_PATCH = 64
+SMALL, LARGE = 100, 1000
+#: Three samples in four validate (forward passes only, cheaper than training steps) to keep
+#: the test short; validation batches come from the same PatchDataset code. Even the small
+#: run trains on a full batch (~19 samples: 16 + 3), so both runs have the same peak shapes.
+MEMORY_VALIDATION_SPLIT = 0.75
+#: The small run's epochs: about as many steps as the large run's one epoch.
+SMALL_EPOCHS = 8
+#: Allowed growth of the peak RSS from SMALL to LARGE samples, in MiB (see the test).
+MEMORY_MARGIN_MB = 40
+
+
+def test_memory_page_reaches_the_cap() -> None:
+    # One layer covering the page: count = side**2, so the cap (min(count, max)) is the
+    # requested maximum, and each in-margin pixel is taken with probability
+    # (1/100) * ratio = cap / side**2. Expected samples = cap * inside / side**2.
+    rows, cols = centre_ranges(MEMORY_PAGE, MEMORY_PAGE, MEMORY_PATCH, MEMORY_PATCH)
+    inside = len(rows) * len(cols)
+    for cap in (SMALL, LARGE):
+        (ratio,) = selection_ratios({"Everything": MEMORY_PAGE**2}, cap).values()
+        assert ratio < 1  # the cap, not the page, limits the samples
+        assert cap * inside / MEMORY_PAGE**2 > 0.75 * cap  # 1071**2 / 1200**2 = 0.797
+
+
+@pytest.mark.training
+def test_peak_memory_does_not_grow_with_the_samples(tmp_path: Path) -> None:
+    """10x the samples per label, (almost) the same peak RSS.
+
+    The trainer keeps the page as uint8 and cuts each batch when Keras asks for it, so the
+    peak is TensorFlow's (model, one batch's activations) plus the page, whatever the number
+    of samples; a sampled centre costs 16 bytes. Had the ~800 patches of the large run been
+    materialised as the original did (float64 X, bool Y: 100 KiB per 64x64 patch), its peak
+    would be ~70 MiB higher than the small run's (~80 patches); even a float32 cache of x and
+    y (64 KiB per patch, what ``tf.data``'s ``cache()`` keeps) would add ~45 MiB.
+
+    The RSS of a training process creeps up by 30-40 MiB over its first ~100 steps (a warm-up
+    of the allocator and TensorFlow, cause not pinned down; flat afterwards: measured over
+    240 steps at 64x64 and 500 at 32x32), so the small run repeats its epoch 8 times: both
+    runs then take about the same number of training and validation steps (~15 and ~35), and
+    differ only in how many distinct patches they cut. With that, and two malloc arenas in
+    the children (glibc's default, up to 8 per core, adds ~30 MiB of run-to-run scatter), the
+    peaks of such pairs differed by -14 to +8 MiB here (six pairs, some at 150/1500 and
+    200/2000 samples). The margin, 40 MiB, is about three times that and still below either
+    kind of materialisation.
+    """
+    split = str(MEMORY_VALIDATION_SPLIT)
+    small, large = (
+        run_child(
+            MEMORY_CHILD, str(n), str(MEMORY_PAGE), split, str(epochs), str(tmp_path / str(n)), MALLOC_ARENA_MAX="2"
+        )
+        for n, epochs in ((SMALL, SMALL_EPOCHS), (LARGE, 1))
+    )
+    assert len(small["samples"]) == len(large["samples"]) == 1
+    assert (small["epochs"], large["epochs"]) == (SMALL_EPOCHS, 1)
+    n_small, n_large = small["samples"][0], large["samples"][0]
+    # Expected 0.797 * cap (see test_memory_page_reaches_the_cap), give or take the draw.
+    assert 0.5 * SMALL < n_small <= SMALL and 0.5 * LARGE < n_large <= LARGE, (n_small, n_large)
+    growth_mb = (large["peak_kb"] - small["peak_kb"]) / 1024
+    would_materialise_mb = (n_large - n_small) * (MEMORY_PATCH**2 * 3 * 8 + MEMORY_PATCH**2) / 2**20
+    assert would_materialise_mb > 1.5 * MEMORY_MARGIN_MB  # the test can tell
+    assert growth_mb < MEMORY_MARGIN_MB, (
+        f"peak RSS {small['peak_kb'] // 1024} MiB with {n_small} samples, "
+        f"{large['peak_kb'] // 1024} MiB with {n_large} (+{growth_mb:.0f} MiB)"
+    )
