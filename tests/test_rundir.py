@@ -18,6 +18,7 @@ pytest.importorskip("keras")  # the worker extra is not installed on login nodes
 
 from PIL import Image
 
+from tests.pages import striped_page
 from worker.trainer import Page, TrainSettings, train_page
 from worker.trainer import train as train_module
 from worker.trainer.callbacks import EPOCH_KEYS
@@ -29,17 +30,6 @@ pytestmark = pytest.mark.filterwarnings(
 
 SETTINGS = TrainSettings(epochs=2, max_samples_per_label=40, patch_height=64, patch_width=64, patience=3, seed=11)
 CSV_HEADER = ["label", "epoch", "loss", "accuracy", "val_loss", "val_accuracy", "seconds", "samples_per_second"]
-
-
-def striped_page(height: int = 300, width: int = 300) -> Page:
-    """Dark horizontal "staff lines" (Layer 0) on light paper (Background)."""
-    ink = np.zeros((height, width), dtype=bool)
-    for row in range(20, height, 24):
-        ink[row : row + 6, :] = True
-    image = np.empty((height, width, 3), dtype=np.uint8)
-    image[:] = (235, 225, 200)
-    image[ink] = (40, 20, 10)
-    return Page(image=image, masks={"Background": ~ink, "Layer 0": ink})
 
 
 def epoch(label: str, number: int, **values: float) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import h5py
 import keras
 from PIL import Image
 
+from tests.pages import striped_page
 from worker.trainer import Page, TrainingInputError, TrainSettings, load_page, train_page
 from worker.trainer.callbacks import EPOCH_KEYS
 from worker.trainer.dataset import INPUT_LOOKUP, PatchDataset, split_validation
@@ -33,17 +34,6 @@ TINY = TrainSettings(epochs=2, max_samples_per_label=60, patch_height=PATCH, pat
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def striped_page(height: int = 300, width: int = 300) -> Page:
-    """Dark horizontal "staff lines" (Layer 0) on light paper (Background), a bit coloured."""
-    ink = np.zeros((height, width), dtype=bool)
-    for row in range(20, height, 24):
-        ink[row : row + 6, :] = True
-    image = np.empty((height, width, 3), dtype=np.uint8)
-    image[:] = (235, 225, 200)
-    image[ink] = (40, 20, 10)
-    return Page(image=image, masks={"Background": ~ink, "Layer 0": ink})
 
 
 def reference_sample(

@@ -25,7 +25,8 @@ pytest.importorskip("keras")  # the worker extra is not installed on login nodes
 import h5py
 import keras
 
-from worker.trainer import Page, TrainingInputError, TrainSettings, train_page
+from tests.pages import striped_page
+from worker.trainer import TrainingInputError, TrainSettings, train_page
 from worker.trainer.dataset import PatchDataset
 from worker.trainer.distribute import (
     BFLOAT16_POLICY,
@@ -45,16 +46,6 @@ pytestmark = pytest.mark.filterwarnings(  # TensorFlow's variables and NumPy 2, 
 
 REPO = Path(__file__).resolve().parent.parent
 PATCH = 32
-
-
-def striped_page(height: int = 160, width: int = 160) -> Page:
-    ink = np.zeros((height, width), dtype=bool)
-    for row in range(20, height, 24):
-        ink[row : row + 6, :] = True
-    image = np.empty((height, width, 3), dtype=np.uint8)
-    image[:] = (235, 225, 200)
-    image[ink] = (40, 20, 10)
-    return Page(image=image, masks={"Background": ~ink, "Layer 0": ink})
 
 
 TINY = TrainSettings(epochs=1, max_samples_per_label=40, patch_height=PATCH, patch_width=PATCH, seed=5)
@@ -138,7 +129,7 @@ def test_model_is_built_and_compiled_in_the_strategy_scope_under_the_policy() ->
 @pytest.mark.training
 def test_forced_mirrored_strategy_on_one_cpu_trains_and_saves(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     settings = dataclasses.replace(TINY, strategy=("/cpu:0",), include_optimizer=True)
-    page = striped_page()
+    page = striped_page(160, 160)
     del page.masks["Background"]  # one layer is enough
     with caplog.at_level(logging.INFO, logger="worker.trainer.distribute"):
         paths = train_page(page, settings, tmp_path)
@@ -199,7 +190,7 @@ def test_mirrored_strategy_on_two_cpu_replicas_uses_the_global_batch(tmp_path: P
 
 
 def test_every_batch_splits_evenly_among_the_replicas() -> None:
-    page = striped_page()
+    page = striped_page(160, 160)
     mask = page.masks["Layer 0"]
 
     def sizes(n: int, batch: int, replicas: int) -> list[int]:
@@ -235,7 +226,7 @@ class PolicyProbe(keras.callbacks.Callback):  # type: ignore[misc]
 @pytest.mark.training
 @pytest.mark.parametrize("setting", ["on", "bfloat16"])
 def test_mixed_precision_on_cpu_saves_a_float32_model(tmp_path: Path, setting: str) -> None:
-    page = striped_page()
+    page = striped_page(160, 160)
     settings = dataclasses.replace(TINY, mixed_precision=setting, include_optimizer=True)
     centres = np.stack(np.meshgrid(np.arange(40, 120, 5), np.arange(40, 120, 10)), -1).reshape(-1, 2)[:40]
     result = train_label(
