@@ -56,6 +56,8 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 import numpy.typing as npt  # noqa: E402
 
+from benchmarks.tables import print_table  # noqa: E402
+
 GB = 1e9
 
 
@@ -289,15 +291,11 @@ def main() -> int:
         (name, how, f"{peak / GB:.2f}", f"{seed_computed / peak:.1f}", f"{seed_extrapolated / peak:.1f}")
         for name, how, peak in rows
     ]
-    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]
     print(
         f"\nPeak RSS, {args.patch}x{args.patch} patches, batch {args.batch}, {args.samples:,} samples per label, "
         f"{args.layers} layers, page {args.width}x{args.height}"
     )
-    print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |")
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for c in cells:
-        print("| " + " | ".join(v.ljust(w) for v, w in zip(c, widths, strict=True)) + " |")
+    print_table(header, cells)
     return 0
 
 

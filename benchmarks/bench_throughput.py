@@ -34,6 +34,7 @@ sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 
+from benchmarks.tables import print_table  # noqa: E402
 from worker.trainer import TrainSettings  # noqa: E402
 from worker.trainer._tf import keras  # noqa: E402
 from worker.trainer.dataset import PatchDataset  # noqa: E402
@@ -120,12 +121,8 @@ def main() -> int:
     rows = [measure(patch, args) for patch in args.patch]
     columns = ["patch", "batch", "device", "strategy", "replicas", "policy", "samples/s", "step s", "first step s"]
     cells = [[f"{row[c]:.1f}" if isinstance(row[c], float) else str(row[c]) for c in columns] for row in rows]
-    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
     print(f"\nTraining throughput, steady state: {rows[0]['steps']} timed steps after {args.warmup} untimed")
-    print("| " + " | ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)) + " |")
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for r in cells:
-        print("| " + " | ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) + " |")
+    print_table(columns, cells)
     return 0
 
 

@@ -81,10 +81,6 @@ def declare_own_queue(channel: BlockingChannel, name: str) -> int:
     return int(frame.method.message_count)
 
 
-def queue_depth(channel: BlockingChannel, name: str) -> int:
-    frame = channel.queue_declare(queue=name, passive=True)
-    return int(frame.method.message_count)
-
 
 def publish(
     channel: BlockingChannel,

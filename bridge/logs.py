@@ -92,12 +92,9 @@ def configure_logging(
     log_file: Path | None = None,
     stream: LogStream | None = None,
     component: str = "bridge",
-    also_to: Path | None = None,
 ) -> None:
-    """JSON lines to ``log_file`` (appended, 0600) or ``stream`` (default stderr), and ``also_to``."""
+    """JSON lines to ``log_file`` (appended, 0600) or ``stream`` (default stderr)."""
     out: Any = _open_append(log_file) if log_file is not None else (stream if stream is not None else sys.stderr)
-    if also_to is not None:
-        out = _Tee(out, _open_append(also_to))
     _settings.update(level=level, component=component, out=out)
     numeric = logging.getLevelName(level.upper())
     if not isinstance(numeric, int):

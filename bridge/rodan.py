@@ -92,9 +92,6 @@ class RodanClient:
         self.token = self._retrying(attempt, "rodan_token")
         return self.token
 
-    def check_token(self) -> bool:
-        response = self._retrying(lambda: self._send("GET", "/api/auth/me/", auth=True), "rodan_me")
-        return response.status_code == 200
 
     # --- resources -----------------------------------------------------------
     def resource_url(self, resource: str) -> str:

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import FrameType
 from typing import TypeVar
 
@@ -35,7 +35,7 @@ from bridge.amqp import (
 from bridge.config import BridgeConfig
 from bridge.errors import BrokerUnavailable
 from bridge.intake import Decision, Intake, Message, Outcome
-from bridge.ledger import Ledger, RequestState
+from bridge.ledger import Ledger
 from bridge.reconcile import Reconciler
 from bridge.replies import ReplyBox
 from bridge.rodan import RodanClient
@@ -62,7 +62,6 @@ class PassStats:
     duplicates: int = 0
     replies_sent: int = 0
     judged: int = 0
-    outcomes: dict[str, int] = field(default_factory=dict)
 
 
 def _wake(connection: pika.BlockingConnection) -> None:
@@ -172,7 +171,10 @@ class Bridge:
         if reconcile:
             stats.judged = self._blocking(self.reconciler.reconcile)
         stats.replies_sent += self._flush()
-        self.reconciler.settle()
+        if stats.replies_sent:
+            # Only our own publications need settling now; replies the workers sent are
+            # settled by reconcile() on its interval (settle reads the whole ledger).
+            self.reconciler.settle()
         return stats
 
     def _drain(self, stats: PassStats) -> None:
@@ -191,7 +193,6 @@ class Bridge:
             stats.received += 1
             decision = self._blocking(self.intake.process, msg)
             self._settle_message(channel, msg, decision, properties)
-            stats.outcomes[decision.outcome.value] = stats.outcomes.get(decision.outcome.value, 0) + 1
             if decision.outcome is Outcome.SUBMITTED:
                 stats.submitted += 1
             elif decision.outcome in (Outcome.REJECTED, Outcome.UNANSWERABLE):
@@ -313,5 +314,3 @@ class Bridge:
         except Exception as exc:
             log.warning("offline_reconcile_failed", error=str(exc))
 
-    def pending(self) -> int:
-        return len(self.ledger.in_state(RequestState.SUBMITTED, RequestState.SUBMITTING))

@@ -50,9 +50,9 @@ else
     say "RabbitMQ is up"
 fi
 
-# --- tools the deploy-file tests use (shellcheck on run_check, logrotate -d on the config) -----
+# --- tools the tests use (shellcheck on run_check, logrotate -d on its config, openssl for the TLS test)
 missing=()
-for pkg in shellcheck logrotate; do
+for pkg in shellcheck logrotate openssl; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing+=("$pkg")
 done
 if [ ${#missing[@]} -gt 0 ]; then
