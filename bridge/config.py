@@ -20,6 +20,8 @@ from dotenv import dotenv_values
 from bridge.errors import ConfigError
 
 DEFAULT_CREDENTIALS = Path("credentials.env")
+#: Accepted spellings of HPC_SCHEDULER -> the backend's name.
+SCHEDULER_ALIASES = {"slurm": "slurm", "gridengine": "gridengine", "sge": "gridengine", "grid engine": "gridengine"}
 
 
 @dataclass(frozen=True)
@@ -42,9 +44,14 @@ class BridgeConfig:
     reply_queue: str = "hpc-results"
     dead_letter_queue: str = "hpc-bridge.dead-letter"
     spool_dir: Path = Path.home() / "hpc-bridge-spool"
-    scheduler: str = "slurm"
+    scheduler: str = "slurm"  # "slurm" or "gridengine"
     slurm_account: str = ""
     slurm_partition: str = ""
+    sge_project: str = ""
+    sge_queue: str = ""
+    sge_pe: str = "smp"  # parallel environment for multi-CPU jobs
+    sge_gpu_resource: str = "gpu"  # consumable complex counting GPUs
+    sge_memory_resource: str = "mem_free"  # complex that requests memory (h_vmem where sites enforce it)
     gpu_rules: tuple[GpuRule, ...] = (GpuRule(0, "gpu:1"),)
     scheduler_args: tuple[str, ...] = ()
     worker_python: str = sys.executable
@@ -60,9 +67,38 @@ class BridgeConfig:
     missing_timeout_s: float = 3600.0
     runs_dir: Path | None = None  # default SPOOL/runs
     save_optimizer: bool = False
+    warn_seconds: int = 300  # warn a training job this long before its time limit (it checkpoints and continues)
+    max_continuations: int = 5  # continuation jobs one request may use before it gets an error reply
+    node_local_dir: Path | None = None  # checkpoint scratch on the compute node (default $SLURM_TMPDIR/$TMPDIR)
+    checkpoint_sync_s: float = 60.0  # how often node-local checkpoints are copied to the run directory
     log_file: Path | None = None
     log_level: str = "INFO"
     credentials_file: Path | None = None
+
+    @property
+    def account(self) -> str:
+        """Slurm's account or Grid Engine's project."""
+        return self.sge_project if self.scheduler == "gridengine" else self.slurm_account
+
+    @property
+    def partition(self) -> str:
+        """Slurm's partition or Grid Engine's queue."""
+        return self.sge_queue if self.scheduler == "gridengine" else self.slurm_partition
+
+    @property
+    def scheduler_options(self) -> dict[str, str]:
+        """The site settings the chosen backend takes (see ``bridge.schedulers.get_scheduler``)."""
+        if self.scheduler == "gridengine":
+            return {
+                "pe": self.sge_pe,
+                "gpu_resource": self.sge_gpu_resource,
+                "memory_resource": self.sge_memory_resource,
+            }
+        return {}
+
+    def warn_seconds_for(self, time_minutes: int) -> int:
+        """The warning before a job's limit: ``warn_seconds``, but at most half the limit."""
+        return min(self.warn_seconds, time_minutes * 60 // 2)
 
     @property
     def rodan_base_url(self) -> str:
@@ -125,9 +161,10 @@ def load_config(credentials: Path | None = None, environ: Mapping[str, str] | No
     rodan_host = get.required("RODAN_HOST")
     if "/" in rodan_host or not rodan_host.strip():
         raise ConfigError(f"RODAN_HOST must be host or host:port without a scheme or path, got {rodan_host!r}")
-    scheduler = get.text("HPC_SCHEDULER", "slurm")
-    if scheduler not in {"slurm"}:
-        raise ConfigError(f"HPC_SCHEDULER must be 'slurm', got {scheduler!r}")
+    scheduler = SCHEDULER_ALIASES.get(get.text("HPC_SCHEDULER", "slurm").lower(), "")
+    if not scheduler:
+        raise ConfigError(f"HPC_SCHEDULER must be 'slurm' or 'gridengine', got {raw.get('HPC_SCHEDULER')!r}")
+    node_local = get.text("HPC_NODE_LOCAL_DIR", "")
     log_file = get.text("HPC_LOG_FILE", "")
     return BridgeConfig(
         broker_url=broker_url_from(raw),
@@ -143,6 +180,11 @@ def load_config(credentials: Path | None = None, environ: Mapping[str, str] | No
         scheduler=scheduler,
         slurm_account=get.text("HPC_SLURM_ACCOUNT", ""),
         slurm_partition=get.text("HPC_SLURM_PARTITION", ""),
+        sge_project=get.text("HPC_SGE_PROJECT", ""),
+        sge_queue=get.text("HPC_SGE_QUEUE", ""),
+        sge_pe=get.text("HPC_SGE_PE", "smp"),
+        sge_gpu_resource=get.text("HPC_SGE_GPU_RESOURCE", "gpu"),
+        sge_memory_resource=get.text("HPC_SGE_MEMORY_RESOURCE", "mem_free"),
         gpu_rules=parse_gpu_rules(get.text("HPC_GPU_RULES", "gpu:1")),
         scheduler_args=tuple(_split("HPC_SCHEDULER_ARGS", get.text("HPC_SCHEDULER_ARGS", ""))),
         worker_python=get.text("HPC_WORKER_PYTHON", sys.executable),
@@ -158,6 +200,10 @@ def load_config(credentials: Path | None = None, environ: Mapping[str, str] | No
         missing_timeout_s=get.number("HPC_MISSING_TIMEOUT", 3600.0),
         runs_dir=Path(get.text("HPC_RUNS_DIR", "")).expanduser() if get.text("HPC_RUNS_DIR", "") else None,
         save_optimizer=get.boolean("HPC_SAVE_OPTIMIZER", False),
+        warn_seconds=get.integer("HPC_WARN_SECONDS", 300, minimum=0),
+        max_continuations=get.integer("HPC_MAX_CONTINUATIONS", 5, minimum=0),
+        node_local_dir=Path(node_local).expanduser() if node_local else None,
+        checkpoint_sync_s=get.number("HPC_CHECKPOINT_SYNC", 60.0),
         log_file=Path(log_file).expanduser() if log_file else None,
         log_level=get.text("HPC_LOG_LEVEL", "INFO"),
         credentials_file=Path(raw["HPC_BRIDGE_CREDENTIALS"]) if raw.get("HPC_BRIDGE_CREDENTIALS") else None,

@@ -76,7 +76,9 @@ class Bridge:
         self.config = config
         self.spool = Spool(config.spool_dir).ensure()
         self.ledger = Ledger(self.spool)
-        self.scheduler = scheduler or get_scheduler(config.scheduler, timeout_s=config.scheduler_timeout_s)
+        self.scheduler = scheduler or get_scheduler(
+            config.scheduler, timeout_s=config.scheduler_timeout_s, options=config.scheduler_options
+        )
         self.replies = ReplyBox(self.spool, max_bytes=config.max_reply_bytes)
         self.rodan = RodanClient(
             config.rodan_base_url,

@@ -13,7 +13,7 @@ import re
 import shlex
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from importlib import resources
 from pathlib import Path
@@ -44,6 +44,7 @@ class JobState(str, Enum):
     PREEMPTED = "PREEMPTED"
     BOOT_FAIL = "BOOT_FAIL"
     DEADLINE = "DEADLINE"
+    ERROR = "ERROR"  # held by the scheduler in an error state (Grid Engine Eqw): it will never run on its own
     MISSING = "MISSING"
 
     @property
@@ -62,6 +63,7 @@ TERMINAL_STATES = frozenset(
         JobState.PREEMPTED,
         JobState.BOOT_FAIL,
         JobState.DEADLINE,
+        JobState.ERROR,
     }
 )
 
@@ -78,7 +80,18 @@ class JobInfo:
 
 @dataclass(frozen=True)
 class JobSpec:
-    """A batch job to submit. Every value here is validated before it reaches a script."""
+    """A batch job to submit. Every value here is validated before it reaches a script.
+
+    ``log_dir`` receives the job's output, in a file the backend names after the job id
+    (:meth:`Scheduler.log_file`). ``gres`` is a Slurm-style GPU request (``gpu:1``,
+    ``gpu:v100l:2``); backends without GPU types use its count (:func:`gpu_count`).
+    ``account`` is Slurm's account or Grid Engine's project, ``partition`` Slurm's
+    partition or Grid Engine's queue. With ``warn_seconds`` the job is signalled that
+    long before its time limit and may continue itself (Slurm: requeue; Grid Engine: a
+    successor held on it). ``hold_after`` starts the job only after that job has ended,
+    whatever its outcome. ``environment`` is exported to the job (like ``qsub -v``);
+    its values are shell-quoted, never secrets.
+    """
 
     name: str
     comment: str
@@ -86,15 +99,24 @@ class JobSpec:
     memory_mb: int
     cpus: int
     command: Sequence[str]
-    output_path: Path
+    log_dir: Path
     workdir: Path
     gres: str | None = None
     email: str = ""
     account: str = ""
     partition: str = ""
+    warn_seconds: int = 0
+    hold_after: str = ""
+    environment: Mapping[str, str] = field(default_factory=dict)
     extra_args: Sequence[str] = field(default_factory=tuple)
 
+    @property
+    def gpus(self) -> int:
+        return gpu_count(self.gres)
 
+
+# An exported variable's name; its value is shell-quoted instead.
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # A directive value may hold no white space, quote, backslash or shell metacharacter:
 # it is written verbatim after '#SBATCH ' and read back by the scheduler.
 _DIRECTIVE_VALUE = re.compile(r"^[A-Za-z0-9@%+=:,./_-]+$")
@@ -109,17 +131,55 @@ def directive_value(name: str, value: object) -> str:
     return text
 
 
+def gpu_count(gres: str | None) -> int:
+    """``gpu:v100l:2`` -> 2, ``gpu`` -> 1, ``None`` -> 0."""
+    if not gres:
+        return 0
+    last = gres.rsplit(":", 1)[-1]
+    return int(last) if last.isdigit() else 1
+
+
+def render_environment(spec: JobSpec, scheduler: str) -> str:
+    """``export NAME=value`` lines: what every job is told about itself, then ``spec.environment``.
+
+    Names are checked and values shell-quoted. Every job gets ``HPC_JOB_SCHEDULER``,
+    ``HPC_JOB_TIME_LIMIT_S`` and ``HPC_JOB_WARN_S`` (0: no warning before the limit);
+    the template adds ``HPC_JOB_ID`` and ``HPC_JOB_STARTED`` (epoch seconds) at run time.
+    """
+    standard = {
+        "HPC_JOB_SCHEDULER": scheduler,
+        "HPC_JOB_TIME_LIMIT_S": str(int(spec.time_minutes) * 60),
+        "HPC_JOB_WARN_S": str(int(spec.warn_seconds)),
+    }
+    lines = []
+    for name, value in {**standard, **spec.environment}.items():
+        if not _ENV_NAME.match(name):
+            raise ValueError(f"refusing unsafe value for environment variable name: {name!r}")
+        if "\n" in value or "\0" in value:
+            raise ValueError(f"refusing unsafe value for {name}: {value!r}")
+        lines.append(f"export {name}={shlex.quote(value)}")
+    return "\n".join(lines)
+
+
 def scrubbed_environment() -> dict[str, str]:
     """The environment for scheduler commands, without any credential variables."""
     return {k: v for k, v in os.environ.items() if not k.startswith(_SECRET_ENV_PREFIXES)}
 
 
 class Scheduler(ABC):
-    """One batch scheduler. Subclasses are ~100 lines each."""
+    """One batch scheduler. Subclasses are ~100-200 lines each.
+
+    ``job_id_variable`` is the environment variable in which a running job finds its own
+    id; ``log_name`` is the job's output file inside ``JobSpec.log_dir`` in the
+    scheduler's own pattern, with ``log_name_id`` standing for the job id.
+    """
 
     name: str
     template_name: str
     directive_prefix: str
+    job_id_variable: str
+    log_name: str
+    log_name_id: str
 
     def __init__(self, *, timeout_s: float = 60.0) -> None:
         self.timeout_s = timeout_s
@@ -137,10 +197,19 @@ class Scheduler(ABC):
         lines = [f"{self.directive_prefix} {d}" for d in self.directives(spec)]
         return self.template().substitute(
             directives="\n".join(lines),
+            environment=render_environment(spec, self.name),
             command=shlex.join(spec.command),
             workdir=shlex.quote(str(spec.workdir)),
             job_name=directive_value("job name", spec.name),
         )
+
+    def log_path(self, spec: JobSpec) -> str:
+        """The output-file directive value: the log directory plus the scheduler's pattern."""
+        return f"{directive_value('log directory', spec.log_dir)}/{self.log_name}"
+
+    def log_file(self, log_dir: Path, job_id: str) -> Path:
+        """Where the output of job ``job_id`` went."""
+        return log_dir / self.log_name.replace(self.log_name_id, job_id)
 
     # --- operations ----------------------------------------------------------
     @abstractmethod
@@ -157,6 +226,14 @@ class Scheduler(ABC):
 
     @abstractmethod
     def cancel(self, job_id: str) -> None: ...
+
+    def continue_job(self, job_id: str, script: Path, spec: JobSpec) -> str:
+        """Have ``script`` run again once the running job ``job_id`` has ended; return the id to watch.
+
+        The default submits a successor held on ``job_id`` (Grid Engine ``-hold_jid``);
+        Slurm requeues the same job instead. Called from inside the job, last of all.
+        """
+        return self.submit(script, replace(spec, hold_after=job_id))
 
     def ping(self) -> str:
         """A one-line description of the cluster; raises SchedulerUnavailable."""

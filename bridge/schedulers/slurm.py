@@ -66,6 +66,9 @@ class SlurmScheduler(Scheduler):
     name = "slurm"
     template_name = "slurm.sh"
     directive_prefix = "#SBATCH"
+    job_id_variable = "SLURM_JOB_ID"
+    log_name = "job-%j.out"
+    log_name_id = "%j"
 
     def directives(self, spec: JobSpec) -> list[str]:
         d = [
@@ -76,9 +79,13 @@ class SlurmScheduler(Scheduler):
             "--nodes=1",
             "--ntasks=1",
             f"--cpus-per-task={int(spec.cpus)}",
-            f"--output={directive_value('output path', spec.output_path)}",
-            "--open-mode=append",
+            f"--output={self.log_path(spec)}",
+            "--open-mode=append",  # a requeued job appends to the same file
         ]
+        if spec.warn_seconds:
+            d += ["--requeue", f"--signal=B:USR1@{int(spec.warn_seconds)}"]
+        if spec.hold_after:
+            d.append(f"--dependency=afterany:{directive_value('job id', spec.hold_after)}")
         if spec.gres:
             d.append(f"--gres={directive_value('gres', spec.gres)}")
         if spec.account:
@@ -148,6 +155,16 @@ class SlurmScheduler(Scheduler):
         if acct.returncode == 0:
             ids.update(line.strip() for line in acct.stdout.splitlines() if line.strip())
         return sorted(ids, key=int)
+
+    def continue_job(self, job_id: str, script: Path, spec: JobSpec) -> str:
+        """``scontrol requeue``: the same job id runs again (``SLURM_RESTART_COUNT`` counts).
+
+        Called from inside the job, this ends the calling job's current run.
+        """
+        result = self._run(["scontrol", "requeue", job_id], check=False)
+        if result.returncode != 0:
+            raise SchedulerUnavailable(f"scontrol requeue {job_id} failed: {_clean(result.stderr)}")
+        return job_id
 
     def cancel(self, job_id: str) -> None:
         result = self._run(["scancel", job_id], check=False)
