@@ -17,6 +17,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from enum import Enum
+from pathlib import Path
 
 import structlog
 
@@ -138,9 +139,9 @@ class Intake:
         job_dir = self.spool.job_dir(key)
         job_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         params_path = self.spool.params_path(key)
-        atomic_write_json(params_path, self._parameters(request, token), mode=0o600)
         spec = self.job_spec(request, key)
         script = job_dir / "job.sh"
+        atomic_write_json(params_path, self._parameters(request, token, spec, script), mode=0o600)
         try:
             atomic_write(script, self.scheduler.render(spec).encode("utf-8"), mode=0o700)
         except ValueError as exc:  # a value that must never reach a script
@@ -159,6 +160,7 @@ class Intake:
             raise
         record.state = RequestState.SUBMITTED
         record.job_id = job_id
+        record.job_ids = [job_id]
         record.submitted_at = time.time()
         record.reason = ""
         self.ledger.save(record)
@@ -185,7 +187,7 @@ class Intake:
             command=(self.config.worker_python, "-m", "worker", "run", str(self.spool.params_path(key))),
         )
 
-    def _parameters(self, request: JobRequest, token: str) -> dict[str, object]:
+    def _parameters(self, request: JobRequest, token: str, spec: JobSpec, script: Path) -> dict[str, object]:
         return {
             "correlation_id": request.correlation_id,
             "reply_to": request.reply_to,
@@ -199,6 +201,20 @@ class Intake:
             "runs_dir": str(self.config.runs_dir or self.spool.root / "runs"),
             "save_optimizer": self.config.save_optimizer,
             "max_reply_bytes": self.config.max_reply_bytes,
+            # How the job continues itself after a time-limit warning (worker/continuation.py).
+            "job": {
+                "scheduler": self.scheduler.name,
+                "options": self.config.scheduler_options,
+                "timeout_s": self.config.scheduler_timeout_s,
+                "script": str(script),
+                "spec": spec.to_json(),
+            },
+            "continuation": {
+                "count": 0,
+                "max": self.config.max_continuations,
+                "node_local_dir": str(self.config.node_local_dir) if self.config.node_local_dir else None,
+                "sync_s": self.config.checkpoint_sync_s,
+            },
             "created_at": time.time(),
             "bridge_pid": os.getpid(),
         }
@@ -210,6 +226,7 @@ class Intake:
             return False
         record.state = RequestState.SUBMITTED
         record.job_id = ids[0]
+        record.job_ids = [ids[0]]
         record.submitted_at = record.submitted_at or time.time()
         self.ledger.save(record)
         log.warning("request_adopted_job", job_id=ids[0], jobs_with_name=ids)

@@ -46,6 +46,8 @@ class RequestRecord:
     reason: str = ""  # last error, or what the final error reply said
     job_state: str = ""  # last scheduler state seen
     job_ended: bool = False  # reconciliation saw the job in a terminal state (or gone for good)
+    continuations: int = 0  # times the training continued in a new job (or a requeue) after a time-limit warning
+    job_ids: list[str] = field(default_factory=list)  # every job of this request, oldest first
     time_limit: str = ""
     memory_mb: int = 0
     created_at: float = field(default_factory=time.time)

@@ -5,6 +5,12 @@ cancellation, crash, out of memory, node failure ...) this stages an error
 reply that names the scheduler's state and what to change. A job the scheduler
 no longer knows is looked up in accounting; one that stays unknown is only
 judged after ``missing_timeout_s``. "Missing" is never read as done.
+
+A training job that continued itself past its time limit is still the same
+request: a Slurm requeue keeps the job id (REQUEUED/PENDING are not outcomes),
+and a Grid Engine successor is followed through the job's continuation record
+(``bridge/continuation.py``) or, if that was never written, by the job name.
+Only the last job of the chain can end the request.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import time
 import structlog
 
 from bridge.config import BridgeConfig
+from bridge.continuation import read_continuation
 from bridge.errors import SchedulerUnavailable
 from bridge.ledger import Ledger, RequestRecord, RequestState
 from bridge.protocol import error_reply
@@ -25,13 +32,16 @@ log = structlog.get_logger(__name__)
 
 
 def explain(record: RequestRecord, info: JobInfo, scheduler: str) -> str:
-    """A human-readable error reply for a job that ended without replying."""
-    job = f"{scheduler.capitalize()} job {record.job_id}"
-    state = info.native_state.split()[0] if info.native_state else info.state.value
+    """A human-readable error reply for a job that ended without replying (``scheduler``: "Slurm")."""
+    job = f"{scheduler} job {record.job_id}"
+    state = info.state.value
+    if info.native_state and info.native_state.split()[0] != state:
+        state += f" ({info.native_state})"  # the scheduler's own words, e.g. Grid Engine's "failed 37 ..."
     code = f", exit code {info.exit_code}" if info.exit_code else ""
     hints = {
-        JobState.TIMEOUT: f"{state} after {record.time_limit or '?'}: the job hit its time limit; "
-        "raise 'Maximum time (D-HH:MM)' or lower the epochs or samples per label",
+        JobState.TIMEOUT: f"{state} after {record.time_limit or '?'}: the job hit its time limit "
+        "before it could checkpoint and continue; raise 'Maximum time (D-HH:MM)' (or the bridge's "
+        "HPC_WARN_SECONDS), or lower the epochs or samples per label",
         JobState.OUT_OF_MEMORY: f"{state} with {record.memory_mb} MB: the job ran out of memory; "
         "raise 'Maximum memory (MB)' or lower the patch size or samples per label",
         JobState.CANCELLED: f"{state}: the job was cancelled (by an operator or the scheduler); resubmit it",
@@ -43,6 +53,8 @@ def explain(record: RequestRecord, info: JobInfo, scheduler: str) -> str:
         JobState.PREEMPTED: f"{state}: the job was preempted by the scheduler; resubmit the job",
         JobState.BOOT_FAIL: f"{state}: the compute node failed to boot; resubmit the job",
         JobState.DEADLINE: f"{state}: the job missed its scheduling deadline; resubmit the job",
+        JobState.ERROR: f"{state}: the scheduler put the job in an error state and would never have run it; "
+        f"the bridge deleted it. See the job's log in the bridge's spool (jobs/{record.key}/)",
     }
     return f"{job} ended without a result: {hints.get(info.state, state)}"
 
@@ -68,6 +80,8 @@ class Reconciler:
             record.outcome = str(marker.get("outcome", ""))
             record.replied_at = float(marker.get("published_at", time.time()))
             self.ledger.save(record)
+            # A job that died never deleted its parameter file (it holds the broker password).
+            self.spool.params_path(record.key).unlink(missing_ok=True)
             settled += 1
             log.info(
                 "request_replied",
@@ -84,6 +98,8 @@ class Reconciler:
         watched = [r for r in self.ledger.in_state(RequestState.SUBMITTED) if r.job_id]
         if not watched:
             return 0
+        for record in watched:
+            self._follow_continuation(record)
         try:
             infos = self.scheduler.query([r.job_id for r in watched])
         except SchedulerUnavailable as exc:
@@ -109,8 +125,12 @@ class Reconciler:
                 record.job_ended = info.state.is_terminal
                 if info.state.is_terminal and record.key in staged:
                     log.info("job_ended_reply_waiting", note="its staged reply goes out with the next flush")
+                elif info.state.is_terminal and self._adopt_successor(record):
+                    record.job_ended = False
                 elif info.state.is_terminal:
-                    reason = explain(record, info, self.scheduler.name)
+                    if info.state is JobState.ERROR:
+                        self._delete(record)
+                    reason = explain(record, info, self.scheduler.display_name)
                     log.error("job_ended_without_reply", state=info.state.value, reason=reason)
                     record.reason = reason
                     self.replies.stage(record.correlation_id, record.reply_to, error_reply(reason), origin="reconcile")
@@ -118,6 +138,58 @@ class Reconciler:
                 self.ledger.save(record)
         log.info("reconcile_done", watched=len(watched), judged=judged)
         return judged
+
+    def _follow_continuation(self, record: RequestRecord) -> None:
+        """Take in what the job wrote when it continued itself (count, successor id)."""
+        found = read_continuation(self.spool, record.key)
+        if found is None or found.count < record.continuations:
+            return
+        changed = found.count > record.continuations
+        record.continuations = found.count
+        if found.job_id and found.job_id != record.job_id and found.job_id not in record.job_ids[:-1]:
+            self._switch_job(record, found.job_id, how="continuation record")
+            changed = True
+        if changed:
+            log.info(
+                "job_continued",
+                correlation_id=record.correlation_id,
+                job_id=record.job_id,
+                continuations=record.continuations,
+                stopped_at=found.stopped_at,
+            )
+            self.ledger.save(record)
+
+    def _adopt_successor(self, record: RequestRecord) -> bool:
+        """A job that ended without a reply may have continued in a newer job of the same name."""
+        if not record.job_name or not record.job_id.isdigit():
+            return False
+        try:
+            ids = self.scheduler.find_by_name(record.job_name)
+        except SchedulerUnavailable as exc:
+            log.warning("successor_lookup_failed", error=str(exc))
+            return False
+        newer = [i for i in ids if i.isdigit() and int(i) > int(record.job_id)]
+        if not newer:
+            return False
+        self._switch_job(record, max(newer, key=int), how="job name")
+        record.continuations = max(record.continuations, len(record.job_ids) - 1)
+        log.warning("job_continued", job_id=record.job_id, continuations=record.continuations, found_by="job name")
+        return True
+
+    def _switch_job(self, record: RequestRecord, job_id: str, *, how: str) -> None:
+        if not record.job_ids:
+            record.job_ids = [record.job_id]
+        record.job_ids.append(job_id)
+        log.info("job_followed", previous_job_id=record.job_id, job_id=job_id, found_by=how)
+        record.job_id = job_id
+        record.job_state = ""
+        record.missing_since = 0.0
+
+    def _delete(self, record: RequestRecord) -> None:
+        try:
+            self.scheduler.cancel(record.job_id)
+        except SchedulerUnavailable as exc:
+            log.warning("job_delete_failed", error=str(exc))
 
     def may_publish(self, entry: StagedReply) -> bool:
         """A reply the worker staged is the worker's to publish until its job has ended."""
@@ -139,7 +211,7 @@ class Reconciler:
             self.ledger.save(record)
             return 0
         reason = (
-            f"{self.scheduler.name.capitalize()} job {record.job_id} vanished: neither the queue nor accounting "
+            f"{self.scheduler.display_name} job {record.job_id} vanished: neither the queue nor accounting "
             f"has known it for {int(now - record.missing_since)} s; resubmit the job"
         )
         log.error("job_vanished", reason=reason)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from bridge.config import load_config
+from bridge.continuation import Continuation, write_continuation
 from bridge.errors import SchedulerUnavailable
 from bridge.ledger import Ledger, RequestRecord, RequestState
 from bridge.reconcile import Reconciler
@@ -19,12 +20,15 @@ from bridge.spool import Spool, atomic_write_json
 
 class ScriptedScheduler(Scheduler):
     name = "slurm"
+    display_name = "Slurm"
     template_name = "slurm.sh"
     directive_prefix = "#SBATCH"
 
     def __init__(self) -> None:
         super().__init__()
         self.infos: dict[str, JobInfo] = {}
+        self.names: dict[str, list[str]] = {}
+        self.cancelled: list[str] = []
         self.down = False
 
     def directives(self, spec: JobSpec) -> list[str]:
@@ -39,10 +43,10 @@ class ScriptedScheduler(Scheduler):
         return {j: self.infos[j] for j in job_ids if j in self.infos}
 
     def find_by_name(self, name: str) -> list[str]:
-        return []
+        return self.names.get(name, [])
 
     def cancel(self, job_id: str) -> None:
-        pass
+        self.cancelled.append(job_id)
 
 
 @pytest.fixture
@@ -183,3 +187,92 @@ def test_bridge_staged_replies_and_orphans_are_always_publishable(world):
     reconciler, ledger, scheduler, replies = world
     assert reconciler.may_publish(replies.stage("c9", "q", b'{"error": "x"}', origin="bridge"))
     assert reconciler.may_publish(replies.stage("c8", "q", b'{"error": "x"}', origin="worker")), "no ledger record"
+
+
+# --- continuation past the time limit ----------------------------------------------------
+
+
+def test_a_requeued_job_is_the_same_request_and_its_continuations_are_counted(world):
+    reconciler, ledger, scheduler, replies = world
+    submitted(ledger, "c1", "7")
+    write_continuation(reconciler.spool, "c1", Continuation(count=1, previous_job_id="7", job_id="7"))
+    for state in (JobState.REQUEUED, JobState.PENDING, JobState.RUNNING):
+        scheduler.infos["7"] = JobInfo("7", state, state.value)
+        assert reconciler.reconcile() == 0
+    record = ledger.get("c1")
+    assert replies.staged() == [] and record.continuations == 1 and record.job_id == "7"
+    # the last run then ends without replying: exactly one error reply, for job 7
+    scheduler.infos["7"] = JobInfo("7", JobState.FAILED, "FAILED", exit_code="1:0", source="accounting")
+    assert reconciler.reconcile() == 1 and "Slurm job 7" in staged_errors(replies)["c1"]
+
+
+def test_a_grid_engine_successor_from_the_continuation_record_is_followed(world):
+    reconciler, ledger, scheduler, replies = world
+    submitted(ledger, "c1", "10")
+    scheduler.infos["10"] = JobInfo("10", JobState.COMPLETED, "exit 0", source="accounting")
+    scheduler.infos["11"] = JobInfo("11", JobState.PENDING, "hqw")
+    write_continuation(reconciler.spool, "c1", Continuation(count=1, previous_job_id="10", job_id="11"))
+    assert reconciler.reconcile() == 0 and replies.staged() == []
+    record = ledger.get("c1")
+    assert (record.job_id, record.job_ids, record.continuations) == ("11", ["10", "11"], 1)
+    assert not record.job_ended
+    # a second link: its record arrives while 11 is still being watched
+    scheduler.infos["11"] = JobInfo("11", JobState.TIMEOUT, "failed 37", source="accounting")
+    scheduler.infos["12"] = JobInfo("12", JobState.RUNNING, "r")
+    write_continuation(reconciler.spool, "c1", Continuation(count=2, previous_job_id="11", job_id="12"))
+    assert reconciler.reconcile() == 0 and replies.staged() == []
+    assert ledger.get("c1").job_ids == ["10", "11", "12"]
+    # the last job replies itself: the worker's staged reply may go out once it has ended
+    scheduler.infos["12"] = JobInfo("12", JobState.COMPLETED, "exit 0", source="accounting")
+    entry = replies.stage("c1", "hpc-results", b'{"ok": 1}', origin="worker")
+    assert not reconciler.may_publish(entry)
+    assert reconciler.reconcile() == 0
+    assert reconciler.may_publish(entry) and [e.origin for e in replies.staged()] == ["worker"]
+
+
+def test_an_unrecorded_successor_is_found_by_job_name(world):
+    """The job died between submitting its successor and writing the record."""
+    reconciler, ledger, scheduler, replies = world
+    submitted(ledger, "c1", "10")
+    scheduler.infos["10"] = JobInfo("10", JobState.TIMEOUT, "failed 37", source="accounting")
+    scheduler.infos["13"] = JobInfo("13", JobState.PENDING, "hqw")
+    scheduler.names["rodan-c1"] = ["9", "10", "13"]  # 9: an older job of that name is not a successor
+    assert reconciler.reconcile() == 0 and replies.staged() == []
+    record = ledger.get("c1")
+    assert record.job_id == "13" and record.job_ids == ["10", "13"] and record.continuations == 1
+
+
+def test_no_successor_means_one_error_reply(world):
+    reconciler, ledger, scheduler, replies = world
+    submitted(ledger, "c1", "10")
+    scheduler.infos["10"] = JobInfo("10", JobState.TIMEOUT, "TIMEOUT", source="accounting")
+    scheduler.names["rodan-c1"] = ["10"]
+    assert reconciler.reconcile() == 1
+    assert "could checkpoint and continue" in staged_errors(replies)["c1"]
+
+
+def test_a_job_in_an_error_state_is_deleted_and_answered(world):
+    reconciler, ledger, scheduler, replies = world
+    submitted(ledger, "c1", "21")
+    scheduler.infos["21"] = JobInfo("21", JobState.ERROR, "Eqw", source="queue")
+    assert reconciler.reconcile() == 1
+    assert scheduler.cancelled == ["21"]
+    assert "error state" in staged_errors(replies)["c1"]
+
+
+def test_settling_a_reply_deletes_the_parameter_file(world):
+    reconciler, ledger, scheduler, replies = world
+    submitted(ledger, "c1", "7")
+    params = reconciler.spool.params_path("c1")
+    atomic_write_json(params, {"broker": {"url": "amqp://u:secret@h/%2F"}})
+    entry = replies.stage("c1", "hpc-results", b"{}", origin="bridge")
+    replies.publish_staged(_NullChannel(), entry)
+    assert reconciler.settle() == 1
+    assert not params.exists() and ledger.get("c1").state is RequestState.REPLIED
+
+
+class _NullChannel:
+    """A channel whose publishes are confirmed at once."""
+
+    def basic_publish(self, *args: object, **kwargs: object) -> None:
+        return None

@@ -13,11 +13,12 @@ import re
 import shlex
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from enum import Enum
 from importlib import resources
 from pathlib import Path
 from string import Template
+from typing import Any
 
 from bridge.errors import SchedulerUnavailable
 from bridge.shell import CommandError, CommandResult, run_command
@@ -114,6 +115,31 @@ class JobSpec:
     def gpus(self) -> int:
         return gpu_count(self.gres)
 
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON values (a job that continues itself re-renders its successor from them)."""
+        data = asdict(self)
+        data.update(
+            command=list(self.command),
+            log_dir=str(self.log_dir),
+            workdir=str(self.workdir),
+            environment=dict(self.environment),
+            extra_args=list(self.extra_args),
+        )
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> JobSpec:
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        values.update(
+            command=tuple(values["command"]),
+            log_dir=Path(values["log_dir"]),
+            workdir=Path(values["workdir"]),
+            environment=dict(values.get("environment") or {}),
+            extra_args=tuple(values.get("extra_args") or ()),
+        )
+        return cls(**values)
+
 
 # An exported variable's name; its value is shell-quoted instead.
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -175,6 +201,7 @@ class Scheduler(ABC):
     """
 
     name: str
+    display_name: str  # for people: "Slurm", "Grid Engine"
     template_name: str
     directive_prefix: str
     job_id_variable: str
@@ -228,12 +255,19 @@ class Scheduler(ABC):
     def cancel(self, job_id: str) -> None: ...
 
     def continue_job(self, job_id: str, script: Path, spec: JobSpec) -> str:
-        """Have ``script`` run again once the running job ``job_id`` has ended; return the id to watch.
+        """Run the job ``spec`` (rendered as ``script``) again once job ``job_id`` has ended.
 
-        The default submits a successor held on ``job_id`` (Grid Engine ``-hold_jid``);
-        Slurm requeues the same job instead. Called from inside the job, last of all.
+        Returns the id to watch from now on. The default renders a successor held on
+        ``job_id`` beside ``script`` and submits it (Grid Engine ``-hold_jid``); Slurm
+        requeues the same job instead. Called from inside the running job, last of all.
         """
-        return self.submit(script, replace(spec, hold_after=job_id))
+        successor = replace(spec, hold_after=job_id)
+        path = script.with_name(f"{script.stem}-after-{directive_value('job id', job_id)}{script.suffix}")
+        temporary = path.with_name(f".{path.name}.partial")
+        temporary.write_text(self.render(successor))
+        temporary.chmod(0o700)
+        os.replace(temporary, path)
+        return self.submit(path, successor)
 
     def ping(self) -> str:
         """A one-line description of the cluster; raises SchedulerUnavailable."""

@@ -64,6 +64,7 @@ def translate(native: str) -> JobState:
 
 class SlurmScheduler(Scheduler):
     name = "slurm"
+    display_name = "Slurm"
     template_name = "slurm.sh"
     directive_prefix = "#SBATCH"
     job_id_variable = "SLURM_JOB_ID"
