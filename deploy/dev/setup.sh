@@ -63,3 +63,6 @@ fi
 
 # --- Slurm ---------------------------------------------------------------------------
 bash deploy/dev/slurm.sh up
+
+# --- Grid Engine (second scheduler backend; coexists with Slurm, ~1.5 s when already up) ---
+bash deploy/dev/gridengine.sh up
