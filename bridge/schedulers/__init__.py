@@ -5,12 +5,22 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from bridge.schedulers.base import TERMINAL_STATES, JobInfo, JobSpec, JobState, Scheduler
+from bridge.schedulers.gridengine import GridEngineScheduler
 from bridge.schedulers.slurm import SlurmScheduler
 
-__all__ = ["TERMINAL_STATES", "JobInfo", "JobSpec", "JobState", "Scheduler", "SlurmScheduler", "get_scheduler"]
+__all__ = [
+    "TERMINAL_STATES",
+    "GridEngineScheduler",
+    "JobInfo",
+    "JobSpec",
+    "JobState",
+    "Scheduler",
+    "SlurmScheduler",
+    "get_scheduler",
+]
 
 #: Backend name (HPC_SCHEDULER after aliases) -> class.
-BACKENDS: dict[str, type[Scheduler]] = {"slurm": SlurmScheduler}
+BACKENDS: dict[str, type[Scheduler]] = {"slurm": SlurmScheduler, "gridengine": GridEngineScheduler}
 
 
 def get_scheduler(name: str, *, timeout_s: float = 60.0, options: Mapping[str, str] | None = None) -> Scheduler:

@@ -27,9 +27,9 @@
 #     after it ends), execd_params ENABLE_ADDGRP_KILL=TRUE;
 #   * scheduler: schedule_interval 0:0:1, flush_submit_sec 1, flush_finish_sec 1 (a job starts
 #     ~0.03 s after qsub; a -hold_jid link costs ~1 s), no load adjustments;
-#   * the host as admin, submit and exec host, with a consumable complex `gpu` (INT, <=, requestable,
-#     consumable, default 0) and complex_values gpu=GPUS on the host (SGE sets no
-#     CUDA_VISIBLE_DEVICES); hostgroup @allhosts; parallel environment smp ($pe_slots);
+#   * the host as admin, submit and exec host, with a complex `gpu` (INT, consumable per JOB, default
+#     0), `mem_free` made consumable, and complex_values gpu=GPUS,mem_free=MEM_MB on the host (SGE
+#     sets no CUDA_VISIBLE_DEVICES); hostgroup @allhosts; parallel environment smp ($pe_slots);
 #   * queue all.q: hostlist @allhosts, SLOTS slots, pe_list smp, load_thresholds NONE, notify
 #     NOTIFY_S seconds (the grace time between SIGUSR2/SIGUSR1 and SIGKILL for `qsub -notify`).
 #   Each object is created with `qconf -A*` when missing, else modified with `qconf -M*` only when
@@ -42,6 +42,7 @@
 # Knobs (environment; the defaults just work):
 #   HPC_DEV_SGE_SLOTS     slots of all.q (the 2 CPUs may be oversubscribed: no load thresholds) (default 8)
 #   HPC_DEV_SGE_GPUS      value of the consumable `gpu` on the host (0: every -l gpu=N waits)    (default 2)
+#   HPC_DEV_SGE_MEM_MB    value of the consumable `mem_free` on the host, in MB                  (default 16000)
 #   HPC_DEV_SGE_NOTIFY_S  queue `notify` time: SIGUSR2 -> SIGKILL delay with qsub -notify, seconds (default 10)
 #   HPC_DEV_SGE_PROBE_S   timeout of the final `qsub -sync y` probe, seconds                       (default 60)
 set -Eeuo pipefail # -E: the ERR trap below also fires inside functions
@@ -49,6 +50,7 @@ set -Eeuo pipefail # -E: the ERR trap below also fires inside functions
 readonly PROG="gridengine.sh"
 readonly SLOTS="${HPC_DEV_SGE_SLOTS:-8}"
 readonly GPUS="${HPC_DEV_SGE_GPUS:-2}"
+readonly MEM_MB="${HPC_DEV_SGE_MEM_MB:-16000}"
 readonly NOTIFY_S="${HPC_DEV_SGE_NOTIFY_S:-10}"
 readonly PROBE_S="${HPC_DEV_SGE_PROBE_S:-60}"
 
@@ -439,18 +441,22 @@ schedd_job_info true"
   changed "scheduler: modified"
 }
 
-# The consumable `gpu`: name shortcut type relop requestable consumable default urgency.
+# The consumables: name shortcut type relop requestable consumable default urgency.
+# `gpu` is consumed per job (JOB), not per slot: `-pe smp 4 -l gpu=1` takes one GPU, not four.
+# `mem_free` is made consumable (per slot, as sites do) against the host's MEM_MB, so that
+# `qsub -w e` refuses a job asking for more memory than the node has instead of queueing it for ever.
 configure_complex() {
-  local current wanted="gpu gpu INT <= YES YES 0 0" file out
+  local current wanted="gpu gpu INT <= YES JOB 0 0
+mem_free mf MEMORY <= YES YES 0 0" file out
   current=$(qconf -sc 2>&1) || die "qconf -sc failed: $current"
   current=$(normalize <<<"$current")
   if ! differs "$current" "$wanted"; then
-    say "complex gpu: unchanged"
+    say "complexes gpu, mem_free: unchanged"
     return 0
   fi
   file=$(write_form complex "$(with_values "$current" "$wanted")")
   out=$(qconf -Mc "$file" 2>&1) || die "qconf -Mc failed: $out"
-  changed "complex gpu: defined (consumable INT)"
+  changed "complexes gpu (consumable per job), mem_free (consumable): defined"
 }
 
 configure_hosts() {
@@ -469,7 +475,7 @@ configure_hosts() {
   fi
   ensure_object exechost "$HOST" -se -Ae -Me "hostname $HOST
 load_scaling NONE
-complex_values gpu=$GPUS
+complex_values gpu=$GPUS,mem_free=${MEM_MB}M
 user_lists NONE
 xuser_lists NONE
 projects NONE

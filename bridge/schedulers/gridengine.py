@@ -1,0 +1,313 @@
+"""Grid Engine (SGE 8.1 / Son of Grid Engine): qsub / qstat / qacct / qdel.
+
+Measured behaviour this module relies on is in ``/work/shared/notes/gridengine-single-node.md``.
+"""
+
+from __future__ import annotations
+
+import re
+import xml.etree.ElementTree as ET  # parses only qstat's own output
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from bridge.errors import SchedulerRejected, SchedulerUnavailable
+from bridge.schedulers.base import JobInfo, JobSpec, JobState, Scheduler, directive_value
+from bridge.shell import CommandError
+
+# qstat's state letters -> JobState. Any other state that holds an "E" (Eqw, Ehqw, ...) is ERROR:
+# the job is parked in an error state and never runs unless an operator clears it (qmod -cj).
+STATE_TABLE: dict[str, JobState] = {
+    "qw": JobState.PENDING,
+    "hqw": JobState.PENDING,  # held (e.g. -hold_jid on a job that has not ended)
+    "hRwq": JobState.PENDING,
+    "t": JobState.RUNNING,  # being transferred to the execution host
+    "r": JobState.RUNNING,
+    "Rr": JobState.RUNNING,  # running again after a restart
+    "Rt": JobState.RUNNING,
+    "hr": JobState.RUNNING,  # qhold on a running job: it keeps running
+    "s": JobState.SUSPENDED,
+    "S": JobState.SUSPENDED,
+    "T": JobState.SUSPENDED,
+    "ss": JobState.SUSPENDED,
+    "Rq": JobState.REQUEUED,  # rescheduled (exit 99, qmod -rj) and waiting to run again
+    # Being deleted: the outcome is only known once accounting has the record.
+    "dr": JobState.RUNNING,
+    "dt": JobState.RUNNING,
+    "dRr": JobState.RUNNING,
+}
+
+# qsub refusals that no retry can fix; anything else (qmaster unreachable, timeouts) is transient.
+PERMANENT_SUBMIT_ERRORS = (
+    "unknown resource",
+    "no suitable queues",
+    "not a valid object name",
+    "not allowed in objectname",
+    "must not contain",
+    "job rejected",
+    "Job was rejected",
+    "denied:",
+    "is not a time value",
+    "is not a memory value",
+    "invalid option",
+    "unknown option",
+)
+
+# A Grid Engine object name: no leading digit, none of / : @ * or space, ASCII; no comma either
+# (it would split a -hold_jid list) and nothing a shell or qacct's pattern matching reads specially.
+_GE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.=%+-]*$")
+_RESOURCE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+
+
+def translate(native: str) -> JobState:
+    """``qw`` -> PENDING, ``Eqw`` -> ERROR; unknown letters are not guessed at (MISSING)."""
+    word = native.strip()
+    if word in STATE_TABLE:
+        return STATE_TABLE[word]
+    return JobState.ERROR if "E" in word else JobState.MISSING
+
+
+def ge_name(what: str, value: str) -> str:
+    text = directive_value(what, value)
+    if not _GE_NAME.match(text):
+        raise ValueError(f"refusing unsafe value for {what}: {text!r}")
+    return text
+
+
+def parse_qacct(text: str) -> list[dict[str, str]]:
+    """``qacct -j`` output -> one dict per record (key -> rest of the line), oldest first."""
+    records: list[dict[str, str]] = []
+    for line in text.splitlines():
+        if line.startswith("====="):
+            records.append({})
+        elif records and line.strip():
+            key, _, value = line.partition(" ")
+            records[-1][key] = value.strip()
+    return [r for r in records if r]
+
+
+def accounting_info(job_id: str, record: Mapping[str, str]) -> JobInfo:
+    """One qacct record -> JobInfo. ``failed`` says how Grid Engine ended the job, exit_status how it exited.
+
+    * failed 0: COMPLETED for exit 0, else FAILED.
+    * failed 37 (``qmaster enforced h_rt, h_cpu, or h_vmem limit``): TIMEOUT when the wall clock
+      reached the job's h_rt (from ``category``), else OUT_OF_MEMORY (h_vmem).
+    * failed 100 (``assumedly after job``) with exit 137: the job was SIGKILLed while running:
+      qdel, but equally a ``kill -9`` or the kernel's OOM killer (accounting cannot tell them apart);
+      CANCELLED, or TIMEOUT if it had run for its whole h_rt.
+    * failed 25 (``rescheduling``): REQUEUED; another record follows once it runs again.
+    * any other code (1-36: failed before or while starting, e.g. 26 output file, 28 working
+      directory; 30 after ``exit 100``): FAILED.
+    """
+    code_text, _, reason = record.get("failed", "0").partition(":")
+    code = int(code_text.strip()) if code_text.strip().isdigit() else -1
+    exit_code = (record.get("exit_status", "").split() or [""])[0]
+    wall = _seconds(record.get("ru_wallclock", ""))
+    limit = _h_rt(record.get("category", ""))
+    timed_out = limit is not None and wall is not None and wall >= limit
+    native = f"failed {code}: {reason.strip()}" if code else f"exit {exit_code}"
+    if code == 0:
+        state = JobState.COMPLETED if exit_code == "0" else JobState.FAILED
+    elif code == 37:
+        state = JobState.TIMEOUT if timed_out else JobState.OUT_OF_MEMORY
+    elif code == 100 and exit_code == "137":
+        state = JobState.TIMEOUT if timed_out else JobState.CANCELLED
+    elif code == 25:
+        state = JobState.REQUEUED
+    else:
+        state = JobState.FAILED
+    return JobInfo(job_id, state, native, exit_code, _elapsed(wall), source="accounting")
+
+
+class GridEngineScheduler(Scheduler):
+    """Grid Engine. ``pe`` is the parallel environment for multi-CPU jobs (allocation ``$pe_slots``),
+    ``gpu_resource`` a consumable complex counting GPUs and ``memory_resource`` the memory request.
+
+    Grid Engine multiplies a per-slot request by the slots (``-pe smp 6 -l gpu=1`` takes 6 GPUs of a
+    ``YES`` consumable). Memory is therefore requested per slot (``memory_mb / cpus``, the usual
+    convention for h_vmem / mem_free), and the GPU complex must be a per-job consumable
+    (``gpu gpu INT <= YES JOB 0 0``) for multi-CPU GPU jobs.
+    A request no host can ever satisfy (too many GPUs, too much memory) waits in ``qw`` for ever
+    unless the job is submitted with ``-w e`` (``JobSpec.extra_args``), which refuses it at
+    submit time (``no suitable queues`` -> SchedulerRejected).
+    """
+
+    name = "gridengine"
+    display_name = "Grid Engine"
+    template_name = "gridengine.sh"
+    directive_prefix = "#$"
+    job_id_variable = "JOB_ID"
+    log_name = "job-$JOB_ID.out"  # Grid Engine expands $JOB_ID in -o paths itself
+    log_name_id = "$JOB_ID"
+
+    def __init__(
+        self, *, timeout_s: float = 60.0, pe: str = "smp", gpu_resource: str = "gpu", memory_resource: str = "mem_free"
+    ) -> None:
+        super().__init__(timeout_s=timeout_s)
+        settings = {"HPC_SGE_PE": pe, "HPC_SGE_GPU_RESOURCE": gpu_resource, "HPC_SGE_MEMORY_RESOURCE": memory_resource}
+        for what, value in settings.items():
+            if not _RESOURCE.match(directive_value(what, value)):
+                raise ValueError(f"refusing unsafe value for {what}: {value!r}")
+        self.pe, self.gpu_resource, self.memory_resource = pe, gpu_resource, memory_resource
+
+    def directives(self, spec: JobSpec) -> list[str]:
+        hours, minutes = divmod(int(spec.time_minutes), 60)
+        d = [
+            f"-N {ge_name('job name', spec.name)}",
+            "-S /bin/bash",  # '#!' is ignored in the usual posix_compliant shell_start_mode
+            f"-o {self.log_path(spec)}",
+            "-j y",
+            f"-wd {directive_value('working directory', spec.workdir)}",
+            f"-l h_rt={hours}:{minutes:02d}:00",
+            f"-l {self.memory_resource}={-(-int(spec.memory_mb) // max(int(spec.cpus), 1))}M",  # per slot
+            # Not rerunnable: after a host crash Grid Engine would silently run the job again from the
+            # start under the same id; the bridge counts continuations and decides itself (from the
+            # checkpoint), so such a job must end in accounting instead.
+            "-r n",
+            # Refuse at submit a job that could never run, even on an empty cluster (more memory,
+            # GPUs or slots than any host has), instead of leaving it waiting for ever.
+            "-w e",
+        ]
+        if spec.cpus > 1:
+            d.append(f"-pe {self.pe} {int(spec.cpus)}")
+        if spec.gpus > 0:
+            d.append(f"-l {self.gpu_resource}={spec.gpus}")
+        if spec.account:
+            d.append(f"-P {ge_name('project', spec.account)}")
+        if spec.partition:
+            d.append(f"-q {directive_value('queue', spec.partition)}")
+        if spec.email:
+            d += [f"-M {directive_value('e-mail', spec.email)}", "-m ea"]
+        if spec.warn_seconds > 0:
+            # SIGUSR2 'notify' seconds (a queue setting) before the SIGKILL at h_rt or after qdel. That is
+            # not warn_seconds, so the worker also runs its own timer. (s_rt is not used: a job that
+            # catches its SIGUSR1 is then never killed at h_rt in 8.1.9.)
+            d.append("-notify")
+        if spec.hold_after:
+            d.append(f"-hold_jid {_job_id('hold job id', spec.hold_after)}")
+        return d
+
+    def submit(self, script: Path, spec: JobSpec) -> str:
+        try:
+            result = self._run(["qsub", "-terse", *spec.extra_args, str(script)])
+        except CommandError as exc:
+            message = exc.output
+            if any(p.lower() in message.lower() for p in PERMANENT_SUBMIT_ERRORS):
+                raise SchedulerRejected(_clean(message)) from exc
+            raise SchedulerUnavailable(f"qsub failed: {_clean(message)}") from exc
+        for line in result.stdout.splitlines():
+            job_id = line.strip().split(".")[0]  # an array job prints N.1-3:1
+            if job_id.isdigit():
+                return job_id
+        raise SchedulerUnavailable(f"qsub printed no job id: {result.stdout!r}")
+
+    def query(self, job_ids: Sequence[str]) -> Mapping[str, JobInfo]:
+        found: dict[str, JobInfo] = {}
+        if not job_ids:
+            return found
+        for jid, _, native in self._live():
+            if jid in job_ids and jid not in found:
+                state = translate(native)
+                if state is JobState.ERROR:
+                    native = f"{native}: {self._error_reason(jid)}".rstrip(": ")
+                found[jid] = JobInfo(jid, state, native, source="queue")
+        # Jobs that have left the queue: the last accounting record (a restarted job has several).
+        for jid in job_ids:
+            if jid in found or not jid.isdigit():
+                continue
+            acct = self._run(["qacct", "-j", jid], check=False)
+            records = [r for r in parse_qacct(acct.stdout) if r.get("jobnumber") == jid]
+            if records:
+                found[jid] = accounting_info(jid, records[-1])
+            elif acct.returncode != 0 and not _no_record(acct.stdout + acct.stderr) and not found:
+                raise SchedulerUnavailable(f"qacct failed: {_clean(acct.stdout + acct.stderr)}")
+        return found
+
+    def find_by_name(self, name: str) -> list[str]:
+        ge_name("job name", name)
+        ids = {jid for jid, job_name, _ in self._live() if job_name == name}
+        acct = self._run(["qacct", "-j", name], check=False)
+        ids.update(r["jobnumber"] for r in parse_qacct(acct.stdout) if r.get("jobname") == name and "jobnumber" in r)
+        return sorted((i for i in ids if i.isdigit()), key=int)
+
+    def cancel(self, job_id: str) -> None:
+        result = self._run(["qdel", _job_id("job id", job_id)], check=False)
+        if result.returncode != 0 and "does not exist" not in result.stdout + result.stderr:
+            raise SchedulerUnavailable(f"qdel failed: {_clean(result.stdout + result.stderr)}")
+
+    def ping(self) -> str:
+        result = self._run(["qstat", "-g", "c"], check=False)
+        if result.returncode != 0:
+            raise SchedulerUnavailable(f"sge_qmaster: {_clean(result.stdout + result.stderr)}")
+        rows = [ln.split() for ln in result.stdout.splitlines()[2:] if len(ln.split()) >= 6]
+        return "; ".join(f"{r[0]}: {r[2]} of {r[5]} slots used" for r in rows) or "no cluster queues"
+
+    def _live(self) -> list[tuple[str, str, str]]:
+        """(id, name, state letters) of every job qstat knows, any user's."""
+        result = self._run(["qstat", "-xml", "-u", "*"], check=False)
+        if result.returncode != 0:
+            raise SchedulerUnavailable(f"qstat failed: {_clean(result.stdout + result.stderr)}")
+        if not result.stdout.strip():
+            return []
+        try:
+            root = ET.fromstring(result.stdout)  # noqa: S314 - the output of our own qstat, not remote input
+        except ET.ParseError as exc:
+            raise SchedulerUnavailable(f"qstat printed unreadable XML: {exc}") from exc
+        return [
+            (job.findtext("JB_job_number", "").strip(), job.findtext("JB_name", ""), job.findtext("state", ""))
+            for job in root.iter("job_list")
+        ]
+
+    def _error_reason(self, job_id: str) -> str:
+        """The ``error reason`` of a job in an error state (``qstat -j``), or ''."""
+        result = self._run(["qstat", "-j", job_id], check=False)
+        for line in result.stdout.splitlines():
+            if line.startswith("error reason"):
+                return line.partition(":")[2].strip()[:300]
+        return ""
+
+
+def _job_id(what: str, value: str) -> str:
+    """A job id is digits only (a name would be accepted by -hold_jid, silently, and match by pattern)."""
+    if not value.isdigit():
+        raise ValueError(f"refusing unsafe value for {what}: {value!r}")
+    return value
+
+
+def _no_record(output: str) -> bool:
+    """qacct's answers for "no such job yet": ``error: job id N not found``, and
+    ``No jobs running since startup`` while no job has ever ended (no accounting file)."""
+    return "not found" in output or "No jobs running since startup" in output
+
+
+def _seconds(text: str) -> float | None:
+    """qacct's ``21s`` / ``21.000`` -> 21.0."""
+    try:
+        return float(text.strip().rstrip("s"))
+    except ValueError:
+        return None
+
+
+def _h_rt(category: str) -> float | None:
+    """The h_rt in seconds from a category like ``-l gpu=1,h_rt=20,mem_free=100M -pe smp 2``."""
+    match = re.search(r"(?:^|[\s,])h_rt=([0-9:]+)", category)
+    if not match:
+        return None
+    seconds = 0.0
+    for part in match.group(1).split(":"):
+        seconds = seconds * 60 + float(part or 0)
+    return seconds
+
+
+def _elapsed(seconds: float | None) -> str:
+    """Seconds -> ``D-HH:MM:SS`` / ``HH:MM:SS``, like sacct's Elapsed."""
+    if seconds is None:
+        return ""
+    minutes, secs = divmod(int(seconds), 60)
+    hours, mins = divmod(minutes, 60)
+    days, hours = divmod(hours, 24)
+    return f"{days}-{hours:02d}:{mins:02d}:{secs:02d}" if days else f"{hours:02d}:{mins:02d}:{secs:02d}"
+
+
+def _clean(message: str) -> str:
+    lines = [ln.strip() for ln in message.splitlines() if ln.strip() and ln.strip() != "Exiting."]
+    return " ".join(lines)[:500]
