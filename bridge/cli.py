@@ -16,6 +16,18 @@ EXAMPLES = """examples:
   hpc-bridge check                      # one pass: what cron's run_check runs
   hpc-bridge run                        # the daemon (systemd)
   hpc-bridge enqueue --inputs inputs.json --setting 'Maximum number of training epochs=2' --wait --out models/
+  hpc-bridge chain --jobs 3 --time 1:00:00 --gpus 1 --wait -- python train.py   # longer than one job may run
+"""
+
+CHAIN_EPILOG = """The command runs in N batch jobs, one after the other, each under a supervisor that sets
+HPC_CHECKPOINT_DIR, HPC_RESTART_COUNT, HPC_CHAIN_LINK, HPC_CHAIN_LINKS and HPC_RUN_DIR and sends it
+SIGUSR1 --warn seconds before the job's limit. The command exits 0 when the work is finished (the
+waiting jobs are cancelled), 75 to continue in the next job, anything else to stop the chain.
+Needs no credentials.env. The contract: deploy/examples/README.md.
+
+example:
+  hpc-bridge chain --jobs 3 --time 1:00:00 --gpus 1 -v DATA=/scratch/me/set --wait -- \\
+      python deploy/examples/train_chain.py --total-steps 100000
 """
 
 
@@ -53,7 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     enq.add_argument("--wait", action="store_true", help="wait for the reply like Rodan (nacking foreign replies)")
     enq.add_argument("--timeout", type=float, default=None, help="give up waiting after this many seconds")
     enq.add_argument("--out", type=Path, help="write the decoded models here")
+    _add_chain_parser(sub)
     args = parser.parse_args(argv)
+
+    if args.command == "chain":  # no broker, no Rodan: no credentials.env either
+        from bridge.chain import chain_command
+
+        return chain_command(args)
 
     try:
         config = load_config(args.credentials)
@@ -74,6 +92,48 @@ def main(argv: list[str] | None = None) -> int:
         return _enqueue(config, args)
     parser.error(f"unknown command {args.command}")
     return 2
+
+
+def _add_chain_parser(sub: Any) -> None:
+    chain = sub.add_parser(
+        "chain",
+        help="run a command (e.g. training) for longer than one job may: N dependent jobs that checkpoint and resume",
+        description="Submit N batch jobs, each starting after the one before has ended, that run the same command.",
+        epilog=CHAIN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    chain.add_argument("--jobs", type=int, required=True, metavar="N", help="how many jobs (links) at most")
+    chain.add_argument("--time", required=True, help="each job's time limit: minutes, HH:MM:SS or D-HH:MM:SS")
+    chain.add_argument("--gpus", type=int, default=0, help="GPUs per job (default 0)")
+    chain.add_argument("--cpus", type=int, default=1, help="CPUs per job (default 1)")
+    chain.add_argument("--mem", type=int, default=4096, metavar="MB", help="memory per job in MB (default 4096)")
+    chain.add_argument("--name", default="chain", help="job name prefix; jobs are NAME-1, NAME-2, ... (default chain)")
+    chain.add_argument("--run-dir", type=Path, help="the run directory (default ./chain-runs/NAME-UTCTIMESTAMP)")
+    chain.add_argument(
+        "--scheduler",
+        help="slurm or gridengine (default $HPC_SCHEDULER, else slurm); Grid Engine reads HPC_SGE_PE, "
+        "HPC_SGE_GPU_RESOURCE and HPC_SGE_MEMORY_RESOURCE from the environment",
+    )
+    chain.add_argument("--account", help="Slurm account / Grid Engine project")
+    chain.add_argument("--partition", help="Slurm partition / Grid Engine queue")
+    chain.add_argument(
+        "--warn",
+        type=int,
+        metavar="SECONDS",
+        help="SIGUSR1 this long before each job's limit (default 300, at most a quarter of --time; 0: none)",
+    )
+    chain.add_argument(
+        "-v", "--env", action="append", default=[], metavar="NAME=VALUE",
+        help="export to the command (repeatable; one variable each, the value may hold commas and spaces; "
+        "-v NAME takes its value from here)",
+    )  # fmt: skip
+    chain.add_argument(
+        "--wait",
+        action="store_true",
+        help="follow the chain until it has ended; exit 0 only if "
+        "the command finished (1: failed, 75: every job used and more to do)",
+    )
+    chain.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...", help="the command to run")
 
 
 def _enqueue(config: BridgeConfig, args: argparse.Namespace) -> int:

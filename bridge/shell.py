@@ -7,10 +7,13 @@ the scheduler's rejection message in an error reply).
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import structlog
 
@@ -91,3 +94,80 @@ def _text(value: bytes | str | None) -> str:
     if value is None:
         return ""
     return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+def supervise(
+    argv: Sequence[str],
+    *,
+    timeout: float,
+    poll: Callable[[subprocess.Popen[bytes]], None] | None = None,
+    poll_interval: float = 0.2,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+    ignore_signals: Sequence[int] = (),
+    kill_grace: float = 10.0,
+) -> CommandResult:
+    """Run ``argv`` (no shell) as a long-lived child that shares this process's stdout and stderr.
+
+    For a command that runs for hours inside a batch job. ``poll`` is called with the child
+    every ``poll_interval`` seconds while it runs, from this (the main) thread: that is where a
+    caller acts on flags its signal handlers set, e.g. forwards a warning with
+    ``child.send_signal``. ``ignore_signals`` start ignored in the child (a signal this process
+    handles would otherwise reset to its default action, which kills). The returned result has
+    the child's exit status (negative: killed by that signal) and no output, even when it is
+    non-zero: the caller classifies it. Raises :class:`CommandNotFound` or :class:`CommandError`
+    when the command cannot start, and :class:`CommandTimeout` after ``timeout`` seconds (the
+    child then gets SIGTERM, and SIGKILL ``kill_grace`` seconds later).
+    """
+    args = tuple(str(a) for a in argv)
+    started = time.monotonic()
+    ignored = tuple(ignore_signals)
+
+    def in_child() -> None:  # runs in the child between fork and exec
+        for sig in ignored:
+            signal.signal(sig, signal.SIG_IGN)
+
+    try:
+        child = subprocess.Popen(
+            args,
+            env=dict(env) if env is not None else None,
+            cwd=cwd,
+            preexec_fn=in_child if ignored else None,  # a supervisor runs no threads
+        )
+    except FileNotFoundError:
+        result = CommandResult(args, -1, "", f"{args[0]}: command not found", time.monotonic() - started)
+        raise CommandNotFound(result, "not found") from None
+    except OSError as exc:
+        result = CommandResult(args, -1, "", f"{args[0]}: {exc.strerror or exc}", time.monotonic() - started)
+        raise CommandError(result, "could not start") from None
+    log.debug("command_started", command=args[0], pid=child.pid)
+    deadline = started + timeout
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            _stop(child, kill_grace)
+            result = CommandResult(args, -1, "", "", time.monotonic() - started)
+            log.warning("command_timeout", command=args[0], timeout_s=timeout)
+            raise CommandTimeout(result, f"timed out after {timeout:g} s")
+        try:
+            returncode = child.wait(timeout=min(poll_interval, remaining))
+        except subprocess.TimeoutExpired:
+            if poll is not None:
+                poll(child)
+            continue
+        break
+    result = CommandResult(args, returncode, "", "", time.monotonic() - started)
+    log.debug("command_ran", command=args[0], rc=returncode, seconds=round(result.seconds, 3))
+    return result
+
+
+def _stop(child: subprocess.Popen[bytes], grace: float) -> None:
+    """SIGTERM, then SIGKILL after ``grace`` seconds; reaps the child."""
+    with contextlib.suppress(ProcessLookupError):
+        child.terminate()
+    try:
+        child.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            child.kill()
+        child.wait()
