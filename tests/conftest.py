@@ -1,4 +1,4 @@
-"""Shared fixtures: the real broker, the Rodan stand-in, per-test queues and spools, Slurm.
+"""Shared fixtures: the real broker, the Rodan stand-in, per-test queues and spools, the schedulers.
 
 Integration tests talk to real services. The broker comes from RABBITMQ_URL,
 else the local one on 127.0.0.1:5672, else a testcontainers RabbitMQ when a
@@ -227,17 +227,8 @@ def slurm() -> None:
 
 
 def cancel_spool_jobs(spool: Path) -> None:
-    """Cancel every job a test's bridge submitted (found through its ledger)."""
-    ledger = spool / "ledger"
-    if not ledger.exists():
-        return
-    names = []
-    for path in ledger.glob("*.json"):
-        record = json.loads(path.read_text())
-        if record.get("job_name"):
-            names.append(record["job_name"])
-    for name in names:
-        subprocess.run(["scancel", "--name", name], capture_output=True, timeout=30)
+    """Cancel every Slurm job a test's bridge submitted (found through its ledger)."""
+    cancel_ledger_jobs(spool, Cluster("slurm"))
 
 
 def jobs_named(name: str) -> list[str]:
@@ -262,6 +253,100 @@ def jobs_started(name: str) -> list[str]:
     )
     steps = acct.stdout.split()
     return sorted(s.removesuffix(".batch") for s in steps if s.endswith(".batch"))
+
+
+# --- Grid Engine, and both schedulers behind one test helper ---------------------------------
+
+
+@pytest.fixture(scope="session")
+def gridengine() -> None:
+    """The local Grid Engine cluster (deploy/dev/gridengine.sh up). Fails, never skips, when it is down."""
+    if not shutil.which("qsub"):
+        pytest.fail("Grid Engine is not installed: run 'bash deploy/dev/gridengine.sh up' (the test command does)")
+    ping = subprocess.run(["qstat", "-g", "c"], capture_output=True, text=True, timeout=30)
+    if ping.returncode != 0:
+        pytest.fail(f"sge_qmaster is not answering ({ping.stderr.strip()}): run 'bash deploy/dev/gridengine.sh up'")
+
+
+def _sge_live(name: str) -> dict[str, str]:
+    """Live Grid Engine jobs with this name: id -> state letters."""
+    import xml.etree.ElementTree as ET
+
+    out = subprocess.run(["qstat", "-xml", "-u", "*"], capture_output=True, text=True, timeout=30).stdout
+    if not out.strip():
+        return {}
+    jobs = {}
+    for job in ET.fromstring(out).iter("job_list"):  # qstat's own output
+        if job.findtext("JB_name") == name:
+            jobs[job.findtext("JB_job_number", "")] = job.findtext("state", "")
+    return jobs
+
+
+def _sge_accounted(name: str) -> list[str]:
+    out = subprocess.run(["qacct", "-j", name], capture_output=True, text=True, timeout=30).stdout
+    return [line.split()[1] for line in out.splitlines() if line.startswith("jobnumber")]
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """One real scheduler, as the end-to-end tests need it (``HPC_SCHEDULER`` = ``name``)."""
+
+    name: str
+
+    @property
+    def label(self) -> str:
+        return {"slurm": "Slurm", "gridengine": "Gridengine"}[self.name]
+
+    @property
+    def submit_command(self) -> str:
+        return {"slurm": "sbatch", "gridengine": "qsub"}[self.name]
+
+    def jobs_named(self, name: str) -> list[str]:
+        """Every job with this name, live or in accounting."""
+        if self.name == "slurm":
+            return jobs_named(name)
+        return sorted({*_sge_live(name), *_sge_accounted(name)}, key=int)
+
+    def jobs_started(self, name: str) -> list[str]:
+        """Jobs with this name whose batch script ran."""
+        if self.name == "slurm":
+            return jobs_started(name)
+        return sorted(set(_sge_accounted(name)), key=int)  # a refused or never-started job has no record
+
+    def is_running(self, job_id: str) -> bool:
+        if self.name == "slurm":
+            out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
+            return out.stdout.strip() == "RUNNING"
+        out = subprocess.run(["qstat", "-u", "*"], capture_output=True, text=True).stdout
+        return any(line.split()[:1] == [job_id] and line.split()[4] == "r" for line in out.splitlines())
+
+    def cancel(self, job_id: str) -> None:
+        subprocess.run(["scancel" if self.name == "slurm" else "qdel", job_id], capture_output=True, timeout=30)
+
+    def cancel_named(self, name: str) -> None:
+        if self.name == "slurm":
+            subprocess.run(["scancel", "--name", name], capture_output=True, timeout=30)
+        else:
+            for job_id in _sge_live(name):
+                self.cancel(job_id)
+
+
+@pytest.fixture(params=["slurm", "gridengine"])
+def cluster(request: pytest.FixtureRequest) -> Cluster:
+    """Each test that uses this runs once on Slurm and once on Grid Engine."""
+    request.getfixturevalue(request.param)  # the session fixture that checks the cluster is up
+    return Cluster(request.param)
+
+
+def cancel_ledger_jobs(spool: Path, cluster: Cluster) -> None:
+    """Cancel every job a test's bridge submitted (found through its ledger)."""
+    ledger = spool / "ledger"
+    if not ledger.exists():
+        return
+    for path in ledger.glob("*.json"):
+        record = json.loads(path.read_text())
+        if record.get("job_name"):
+            cluster.cancel_named(record["job_name"])
 
 
 def run_bridge(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
