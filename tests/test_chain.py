@@ -24,8 +24,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from bridge import chain
-from bridge.chain import ChainError, ChainSettings, RunDir
+from bridge.chain import EX_TEMPFAIL, ChainError, ChainSettings, RunDir, cancel_chain
+from bridge.chain.follow import FINAL_EVENTS, follow
+from bridge.chain.link import run_link
+from bridge.chain.rundir import default_run_dir
+from bridge.chain.settings import parse_environment, parse_time, resolve_command, scheduler_choice, scheduler_options
+from bridge.chain.submit import submit_chain
 from bridge.cli import main as cli_main
 from bridge.errors import SchedulerUnavailable
 from bridge.logs import configure_logging
@@ -72,17 +76,17 @@ def ts(event: dict[str, Any]) -> datetime:
     ],
 )
 def test_time_limits_in_slurm_formats_round_up_to_minutes(text: str, seconds: int) -> None:
-    assert chain.parse_time(text) == seconds
+    assert parse_time(text) == seconds
 
 
 @pytest.mark.parametrize("text", ["", "0", "abc", "1h", "1:2:3:4", "-5", "0:00"])
 def test_bad_time_limits_are_refused(text: str) -> None:
     with pytest.raises(ChainError, match="--time"):
-        chain.parse_time(text)
+        parse_time(text)
 
 
 def test_environment_values_keep_commas_spaces_and_quotes() -> None:
-    env = chain.parse_environment(
+    env = parse_environment(
         ["A=x,y z", "B=", 'C=it\'s "q" $HOME;`id`', "FROM_HERE", "D=a=b"], {"FROM_HERE": "here, too"}
     )
     assert env == {"A": "x,y z", "B": "", "C": 'it\'s "q" $HOME;`id`', "FROM_HERE": "here, too", "D": "a=b"}
@@ -102,17 +106,17 @@ def test_environment_values_keep_commas_spaces_and_quotes() -> None:
 )
 def test_bad_environment_items_are_refused(item: str, message: str) -> None:
     with pytest.raises(ChainError, match=message):
-        chain.parse_environment([item], {})
+        parse_environment([item], {})
 
 
 def test_scheduler_choice_option_then_environment_then_slurm() -> None:
-    assert chain.scheduler_choice(None, {}) == "slurm"
-    assert chain.scheduler_choice(None, {"HPC_SCHEDULER": "SGE"}) == "gridengine"
-    assert chain.scheduler_choice("slurm", {"HPC_SCHEDULER": "gridengine"}) == "slurm"
+    assert scheduler_choice(None, {}) == "slurm"
+    assert scheduler_choice(None, {"HPC_SCHEDULER": "SGE"}) == "gridengine"
+    assert scheduler_choice("slurm", {"HPC_SCHEDULER": "gridengine"}) == "slurm"
     with pytest.raises(ChainError, match="unknown scheduler"):
-        chain.scheduler_choice("pbs", {})
-    assert chain.scheduler_options("slurm", {"HPC_SGE_PE": "omp"}) == {}
-    assert chain.scheduler_options("gridengine", {"HPC_SGE_PE": "omp", "HPC_SGE_MEMORY_RESOURCE": "h_vmem"}) == {
+        scheduler_choice("pbs", {})
+    assert scheduler_options("slurm", {"HPC_SGE_PE": "omp"}) == {}
+    assert scheduler_options("gridengine", {"HPC_SGE_PE": "omp", "HPC_SGE_MEMORY_RESOURCE": "h_vmem"}) == {
         "pe": "omp",
         "memory_resource": "h_vmem",
     }
@@ -123,17 +127,17 @@ def test_bare_program_names_resolve_through_path(tmp_path: Path) -> None:
     program.write_text("#!/bin/sh\n")
     program.chmod(0o755)
     env = {"PATH": f"{tmp_path}:/usr/bin"}
-    assert chain.resolve_command(["mytrainer", "--x"], env) == [str(program), "--x"]
-    assert chain.resolve_command(["./local.py"], env) == ["./local.py"]
-    assert chain.resolve_command(["not-installed-anywhere"], env) == ["not-installed-anywhere"]
+    assert resolve_command(["mytrainer", "--x"], env) == [str(program), "--x"]
+    assert resolve_command(["./local.py"], env) == ["./local.py"]
+    assert resolve_command(["not-installed-anywhere"], env) == ["not-installed-anywhere"]
 
 
 def test_default_run_dir_is_named_after_the_chain_and_never_reused(tmp_path: Path) -> None:
     now = datetime(2025, 1, 2, 3, 4, 5)
-    first = chain.default_run_dir("train", tmp_path, now)
+    first = default_run_dir("train", tmp_path, now)
     assert first == tmp_path / "chain-runs" / "train-20250102T030405Z"
     first.mkdir(parents=True)
-    assert chain.default_run_dir("train", tmp_path, now).name == "train-20250102T030405Z-2"
+    assert default_run_dir("train", tmp_path, now).name == "train-20250102T030405Z-2"
 
 
 def _cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *argv: str) -> str:
@@ -215,7 +219,7 @@ def make_chain(tmp_path: Path, command: list[str], links: int = 3, **extra: Any)
         **extra,
     )
     scheduler = Recording()
-    assert chain.submit_chain(settings, RunDir(run), scheduler) == [str(101 + i) for i in range(links)]
+    assert submit_chain(settings, RunDir(run), scheduler) == [str(101 + i) for i in range(links)]
     return run, scheduler
 
 
@@ -252,13 +256,13 @@ def test_a_failed_submission_cancels_what_was_submitted(tmp_path: Path) -> None:
     settings = ChainSettings("unit", 3, 600, 0, 1, 100, 0, (PY, "-c", "pass"), str(tmp_path), "slurm")
     scheduler = FailsThird()
     with pytest.raises(SchedulerUnavailable):
-        chain.submit_chain(settings, RunDir(tmp_path / "run"), scheduler)
+        submit_chain(settings, RunDir(tmp_path / "run"), scheduler)
     assert scheduler.cancelled == ["102", "101"]
     assert json.loads((tmp_path / "run" / "chain.json").read_text())["state"] == "submit_failed"
     assert events_of(tmp_path / "run", "chain_failed")
     # A link that starts anyway runs nothing.
     marker = tmp_path / "ran"
-    code = chain.run_link(tmp_path / "run", 1, scheduler=scheduler, environ=link_env("101"))
+    code = run_link(tmp_path / "run", 1, scheduler=scheduler, environ=link_env("101"))
     assert code == 0 and not marker.exists()
     assert events_of(tmp_path / "run", "link_skipped")[0]["reason"] == "submit_failed"
 
@@ -289,12 +293,12 @@ def test_link_exit_codes(
         "import os, signal; os.kill(os.getpid(), signal.SIGKILL)" if exit_code < 0 else f"raise SystemExit({exit_code})"
     )
     run, scheduler = make_chain(tmp_path, [PY, "-c", body])
-    assert chain.run_link(run, link, scheduler=scheduler, environ=link_env(str(100 + link))) == expected
+    assert run_link(run, link, scheduler=scheduler, environ=link_env(str(100 + link))) == expected
     assert sorted(scheduler.cancelled) == cancelled
     assert scheduler.cancelled == sorted(cancelled, reverse=True)  # the last link first: none is released
     exit_event = events_of(run, "command_exit")[0]
     assert exit_event["code"] == exit_code and exit_event["link"] == link and exit_event["job_id"] == str(100 + link)
-    finals = [e for e in events_of(run) if e["event"] in chain.FINAL_EVENTS]
+    finals = [e for e in events_of(run) if e["event"] in FINAL_EVENTS]
     assert [e["event"] for e in finals] == ([final] if final else [])
     if final == "chain_failed":
         assert finals[0]["code"] == exit_code
@@ -303,7 +307,7 @@ def test_link_exit_codes(
 
 def test_a_command_that_cannot_start_fails_the_chain(tmp_path: Path) -> None:
     run, scheduler = make_chain(tmp_path, [str(tmp_path / "no-such-program")])
-    assert chain.run_link(run, 1, scheduler=scheduler, environ=link_env("101")) == 127
+    assert run_link(run, 1, scheduler=scheduler, environ=link_env("101")) == 127
     assert events_of(run, "chain_failed")[0]["code"] == 127
     assert scheduler.cancelled == ["103", "102"]
 
@@ -313,7 +317,7 @@ def test_a_link_after_the_end_skips_without_running_the_command(tmp_path: Path, 
     flag = tmp_path / "ran"
     run, scheduler = make_chain(tmp_path, [PY, "-c", f"open({str(flag)!r}, 'w').close()"])
     (run / kind).write_text(json.dumps({"link": 1}))
-    assert chain.run_link(run, 2, scheduler=scheduler, environ=link_env("102")) == 0
+    assert run_link(run, 2, scheduler=scheduler, environ=link_env("102")) == 0
     assert not flag.exists()
     skipped = events_of(run, "link_skipped")
     assert skipped and skipped[0]["reason"] == kind.lower() and skipped[0]["by_link"] == 1
@@ -335,8 +339,8 @@ sys.exit(75 if os.environ["HPC_RESTART_COUNT"] == "0" else 0)
 
 def test_the_command_gets_the_contract_environment(tmp_path: Path) -> None:
     run, scheduler = make_chain(tmp_path, [PY, "-c", CONTRACT_DUMP])
-    assert chain.run_link(run, 1, scheduler=scheduler, environ=link_env("101", A="x, y")) == 0
-    assert chain.run_link(run, 2, scheduler=scheduler, environ=link_env("102", A="x, y")) == 0
+    assert run_link(run, 1, scheduler=scheduler, environ=link_env("101", A="x, y")) == 0
+    assert run_link(run, 2, scheduler=scheduler, environ=link_env("102", A="x, y")) == 0
     first = json.loads((run / "checkpoints" / "env-0.json").read_text())
     second = json.loads((run / "checkpoints" / "env-1.json").read_text())
     assert first["HPC_CHECKPOINT_DIR"] == second["HPC_CHECKPOINT_DIR"] == str(run / "checkpoints")
@@ -365,7 +369,7 @@ def test_the_supervisor_fires_its_own_warning_timer(tmp_path: Path) -> None:
     run, scheduler = make_chain(tmp_path, [PY, "-c", WAITS_FOR_WARNING, str(ready)], links=2)
     # Limit 600 s, warning 597 s before it: the timer fires 3 s after the job started.
     env = link_env("101", HPC_JOB_WARN_S="597")
-    assert chain.run_link(run, 1, scheduler=scheduler, environ=env) == 0
+    assert run_link(run, 1, scheduler=scheduler, environ=env) == 0
     assert events_of(run, "warning_forwarded")[0]["source"] == "timer"
     assert events_of(run, "command_exit")[0]["code"] == 75
 
@@ -422,7 +426,7 @@ def test_chain_log_events_are_written_whatever_the_log_level(tmp_path: Path) -> 
     configure_logging(level="ERROR", stream=io.StringIO(), component="test")
     try:
         run, scheduler = make_chain(tmp_path, [PY, "-c", "pass"], links=1)
-        assert chain.run_link(run, 1, scheduler=scheduler, environ=link_env("101")) == 0
+        assert run_link(run, 1, scheduler=scheduler, environ=link_env("101")) == 0
     finally:
         configure_logging()
     assert [e["event"] for e in events_of(run)] == ["chain_submitted", "link_start", "command_exit", "chain_done"]
@@ -430,14 +434,14 @@ def test_chain_log_events_are_written_whatever_the_log_level(tmp_path: Path) -> 
 
 def test_the_follower_prints_events_and_returns_the_outcome(tmp_path: Path) -> None:
     run, scheduler = make_chain(tmp_path, [PY, "-c", "raise SystemExit(2)"], links=2)
-    assert chain.run_link(run, 1, scheduler=scheduler, environ=link_env("101")) == 2
+    assert run_link(run, 1, scheduler=scheduler, environ=link_env("101")) == 2
 
     class Ended(Recording):
         def query(self, job_ids: Any) -> dict[str, JobInfo]:
             return {"101": JobInfo("101", JobState.FAILED, "FAILED"), "102": JobInfo("102", JobState.CANCELLED, "X")}
 
     lines: list[str] = []
-    assert chain.follow(run, Ended(), out=lines.append, log_poll_s=0.01, query_every_s=0.01) == 1
+    assert follow(run, Ended(), out=lines.append, log_poll_s=0.01, query_every_s=0.01) == 1
     assert any("command ended with exit 2" in line for line in lines)
     assert any(line.startswith("chain failed: the command exited 2 in link 1/2") for line in lines)
 
@@ -448,7 +452,7 @@ def test_the_follower_cancels_links_the_chain_could_not(tmp_path: Path) -> None:
             raise SchedulerUnavailable("qdel: not a submit host")
 
     run, _ = make_chain(tmp_path, [PY, "-c", "pass"], links=3)
-    assert chain.run_link(run, 1, scheduler=CannotCancel(), environ=link_env("101")) == 0
+    assert run_link(run, 1, scheduler=CannotCancel(), environ=link_env("101")) == 0
     assert events_of(run, "cancel_failed") and events_of(run, "chain_done")[0]["cancelled"] == []
 
     class LoginNode(Recording):
@@ -460,7 +464,7 @@ def test_the_follower_cancels_links_the_chain_could_not(tmp_path: Path) -> None:
 
     login = LoginNode()
     lines: list[str] = []
-    assert chain.follow(run, login, out=lines.append, log_poll_s=0.01, query_every_s=0.01) == 0
+    assert follow(run, login, out=lines.append, log_poll_s=0.01, query_every_s=0.01) == 0
     assert login.cancelled == ["103", "102"]
     assert events_of(run, "links_cancelled")[0]["job_ids"] == ["102", "103"]
     assert "cancelled waiting job(s) 102 103" in lines
@@ -474,7 +478,7 @@ def test_the_follower_concludes_when_links_end_without_a_final_event(tmp_path: P
             return {"101": JobInfo("101", JobState.TIMEOUT, "TIMEOUT")}
 
     lines: list[str] = []
-    assert chain.follow(run, Gone(), out=lines.append, log_poll_s=0.01, query_every_s=0.01) == 1
+    assert follow(run, Gone(), out=lines.append, log_poll_s=0.01, query_every_s=0.01) == 1
     failed = events_of(run, "chain_failed")
     assert failed and failed[0]["by"] == "follower" and failed[0]["job_states"] == {"101": "TIMEOUT"}
 
@@ -521,7 +525,7 @@ def run_chain(
     yield go
     for run in runs:
         if (run / "chain.json").exists():
-            chain.cancel_chain(run)
+            cancel_chain(run)
 
 
 def job_states(run: Path) -> dict[str, str]:
@@ -638,7 +642,7 @@ def test_the_time_limit_warning_makes_the_script_checkpoint_and_the_next_link_re
     result, run = run_chain(
         "--jobs", "2", "--time", "1", "--warn", "25", *timer, "--name", unique("warn"), command=work
     )
-    assert result.returncode == chain.EX_TEMPFAIL, result.stdout + result.stderr
+    assert result.returncode == EX_TEMPFAIL, result.stdout + result.stderr
     assert "chain incomplete" in result.stdout
 
     warnings = events_of(run, "warning_forwarded")
