@@ -217,7 +217,7 @@ def test_batches_are_built_from_uint8_page() -> None:
     shuffled = PatchDataset(page.image, mask, many, PATCH, PATCH, 16, shuffle_rng=np.random.default_rng(0))
     orders = []
     for _ in range(2):
-        shuffled.on_epoch_begin()
+        shuffled.shuffle()
         seen = np.concatenate([shuffled[i][0][:, 0, 0, 0] for i in range(len(shuffled))])
         assert len(seen) == 40
         orders.append(tuple(shuffled._order))

@@ -2,11 +2,41 @@
 
 This package only trains: it never talks to RabbitMQ or Rodan (the worker around it
 downloads the inputs and sends the models back).
+
+Importing it does not import TensorFlow: :func:`train_page` (and so Keras) is loaded on
+first use, so the checkpoint machinery (:class:`CheckpointStore`, :func:`open_checkpoints`,
+:class:`TrainingInterrupted`) is cheap to import, e.g. in a process that only copies or
+checks checkpoints.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from worker.trainer.checkpoint import CheckpointStore, TrainingInterrupted
 from worker.trainer.errors import TrainingInputError
 from worker.trainer.page import Page, load_page
 from worker.trainer.settings import TrainSettings
-from worker.trainer.train import train_page
+from worker.trainer.sync import open_checkpoints
 
-__all__ = ["Page", "TrainSettings", "TrainingInputError", "load_page", "train_page"]
+if TYPE_CHECKING:
+    from worker.trainer.train import train_page
+
+__all__ = [
+    "CheckpointStore",
+    "Page",
+    "TrainSettings",
+    "TrainingInputError",
+    "TrainingInterrupted",
+    "load_page",
+    "open_checkpoints",
+    "train_page",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "train_page":
+        from worker.trainer.train import train_page
+
+        return train_page
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -44,9 +44,17 @@ class PatchDataset(keras.utils.PyDataset):  # type: ignore[misc]
     """A Keras dataset of ``(x, y)`` batches for one layer.
 
     ``x`` is float32 ``(b, ph, pw, 3)`` (see :func:`network_input`), ``y`` float32
-    ``(b, ph, pw, 1)``, 1 where the layer is. With ``shuffle_rng`` the order is a fresh
-    permutation at the start of every epoch (what ``fit(shuffle=True)`` does to the
-    training part); without it the samples keep their order (validation data).
+    ``(b, ph, pw, 1)``, 1 where the layer is. With ``shuffle_rng``, :meth:`shuffle` draws a
+    fresh permutation from it (the trainer calls it at the start of every epoch, see
+    :class:`worker.trainer.callbacks.EpochShuffle`: what ``fit(shuffle=True)`` does to the
+    training part); without it, and until the first :meth:`shuffle`, the samples keep
+    their order (validation data). Keras' own ``on_epoch_begin`` hook is not used for
+    this: Keras also calls it when it builds a model from a first batch, which would draw
+    one permutation more in a fresh model's first fit than in a resumed one's, so the
+    permutations would depend on where a run was resumed. ``order`` is the current
+    permutation and ``rng`` the generator (a checkpoint keeps both, see
+    :mod:`worker.trainer.checkpoint`); :meth:`remaining` gives the rest of an epoch
+    interrupted part-way.
 
     Batches hold ``batch_size`` patches, the last one the rest. With ``multiple_of`` (the
     replicas of a MirroredStrategy, which splits every batch among them; ``batch_size``
@@ -85,16 +93,35 @@ class PatchDataset(keras.utils.PyDataset):  # type: ignore[misc]
     def __len__(self) -> int:
         return math.ceil(len(self._corners) / self._batch_size)
 
-    def on_epoch_begin(self) -> None:
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    @property
+    def rng(self) -> np.random.Generator | None:
+        return self._rng
+
+    @property
+    def order(self) -> npt.NDArray[np.int64]:
+        """The current order of the samples (a permutation of ``range(samples)``)."""
+        return self._order
+
+    def shuffle(self) -> None:
+        """Draw a new order from ``shuffle_rng`` (nothing without one)."""
         if self._rng is not None:
             # A new array rather than an in-place shuffle: Keras may still be prefetching
             # from the previous order in another thread.
             self._order = self._rng.permutation(len(self._corners))
 
-    def __getitem__(self, index: int) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
-        if not 0 <= index < len(self):
-            raise IndexError(index)
-        chosen = self._order[index * self._batch_size : (index + 1) * self._batch_size]
+    def remaining(self, order: npt.NDArray[np.int64], start: int) -> RemainingBatches:
+        """The batches of an epoch with ``order`` from its ``start``-th sample on (never reshuffled)."""
+        order = np.asarray(order, dtype=np.int64)
+        if order.shape != (self.samples,) or not 0 <= start < self.samples:
+            raise ValueError(f"cannot continue an epoch of {self.samples} samples at {start} with order {order.shape}")
+        return RemainingBatches(self, order[start:])
+
+    def batch(self, chosen: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+        """The ``(x, y)`` batch of the samples ``chosen`` (indices into the centres)."""
         if len(chosen) % self._multiple_of:  # the last batch: top it up with its own patches
             chosen = np.resize(chosen, -(-len(chosen) // self._multiple_of) * self._multiple_of)
         rows, cols = self._corners[chosen, 0], self._corners[chosen, 1]
@@ -102,5 +129,36 @@ class PatchDataset(keras.utils.PyDataset):  # type: ignore[misc]
         y = self._masks[rows, cols].astype(np.float32)[..., np.newaxis]
         return x, y
 
+    def __getitem__(self, index: int) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return self.batch(self._order[index * self._batch_size : (index + 1) * self._batch_size])
+
     def __repr__(self) -> str:
         return f"PatchDataset(samples={self.samples}, batch_size={self._batch_size}, shuffle={self._rng is not None})"
+
+
+class RemainingBatches(keras.utils.PyDataset):  # type: ignore[misc]
+    """The rest of an interrupted epoch of a :class:`PatchDataset`: ``order`` in batches of its size.
+
+    Batch ``i`` holds the same patches as batch ``k + i`` of the uninterrupted epoch when
+    ``k`` whole batches were trained before the interruption.
+    """
+
+    def __init__(self, dataset: PatchDataset, order: npt.NDArray[np.int64]) -> None:
+        super().__init__()
+        self._dataset = dataset
+        self._order = order
+
+    @property
+    def samples(self) -> int:
+        return len(self._order)
+
+    def __len__(self) -> int:
+        return math.ceil(len(self._order) / self._dataset.batch_size)
+
+    def __getitem__(self, index: int) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        size = self._dataset.batch_size
+        return self._dataset.batch(self._order[index * size : (index + 1) * size])

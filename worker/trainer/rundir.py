@@ -41,7 +41,7 @@ import math
 import os
 import re
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any
@@ -138,8 +138,7 @@ class RunDirectory:
     def curves_path(self) -> Path:
         return self.path / CURVES_PNG
 
-    def tensorboard_dir(self, label: str) -> Path:
-        """``tensorboard/<safe label>/``, distinct per label (also on case-insensitive file systems)."""
+    def _tensorboard_name(self, label: str) -> str:
         name = self._tensorboard_names.get(label)
         if name is None:
             stem = safe_name(label, default="layer", limit=100)
@@ -148,7 +147,20 @@ class RunDirectory:
             while name.lower() in taken:
                 name, number = f"{stem}_{number}", number + 1
             self._tensorboard_names[label] = name
-        directory = self.path / TENSORBOARD_DIR / name
+        return name
+
+    def reserve_tensorboard_names(self, labels: Iterable[str]) -> None:
+        """Name the TensorBoard directories of ``labels`` in this order (nothing is created).
+
+        Names depend on the order labels are first seen (``layer_0`` after ``Layer 0`` is
+        ``layer_0_2``), so a run resumed past its first layers reserves all of them first.
+        """
+        for label in labels:
+            self._tensorboard_name(label)
+
+    def tensorboard_dir(self, label: str) -> Path:
+        """``tensorboard/<safe label>/``, distinct per label (also on case-insensitive file systems)."""
+        directory = self.path / TENSORBOARD_DIR / self._tensorboard_name(label)
         directory.mkdir(parents=True, exist_ok=True)
         return directory
 
@@ -188,6 +200,16 @@ class RunDirectory:
             value = epoch_metrics.get(key)
             record[key] = math.nan if value is None else float(value)
         self._records.setdefault(label, []).append(record)
+
+    def restore_records(self, records: Iterable[Mapping[str, Any]]) -> None:
+        """Replace every epoch record with ``records`` (epoch dicts with a ``label``, in order).
+
+        A run resumed from a checkpoint puts back the records saved with it, so that the
+        history files go on from there: each epoch once, none lost, none twice.
+        """
+        self._records = {}
+        for record in records:
+            self.record_epoch(str(record["label"]), record)
 
     @property
     def history(self) -> dict[str, list[dict[str, Any]]]:

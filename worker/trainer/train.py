@@ -1,17 +1,63 @@
-"""Train one SAE per layer and save each layer's best epoch as a legacy Keras HDF5 file."""
+"""Train one SAE per layer and save each layer's best epoch as a legacy Keras HDF5 file.
+
+**Checkpoints.** With a :class:`~worker.trainer.checkpoint.CheckpointStore`,
+:func:`train_page` saves the whole state of the run (see
+:mod:`worker.trainer.checkpoint`) before the first layer, at every epoch end and after
+every layer, and a later call with a store holding a checkpoint resumes from it:
+finished layers are not trained again (their models come from the store), the layer in
+progress continues at the saved epoch and batch with the saved weights, optimizer,
+metrics, callback states, sample order and shuffling generator, and the run ends as an
+uninterrupted one would: the same epochs per layer, the same samples, the same
+history and (on this CPU, where TensorFlow's kernels are deterministic; see
+tests/test_resume.py) bit-identical weights.
+
+With ``stop_requested`` (polled after every training batch, at every epoch end and
+before every layer), training stops as soon as it returns True: at the next batch
+boundary it saves a checkpoint in the middle of the epoch and raises
+:class:`~worker.trainer.checkpoint.TrainingInterrupted`, without validating the partial
+epoch. (When the flag comes during an epoch's last batch or its validation, the epoch
+ends first and the checkpoint is the epoch end's.)
+
+A layer resumed part-way is trained in two fits: the rest of the interrupted epoch
+(``fit(initial_epoch=e, epochs=e + 1)`` over the remaining batches, with the metrics'
+running sums restored so that the epoch's loss and accuracy cover all of it), then the
+remaining epochs. Resuming on a node with another number of GPUs continues from the same
+sample of the epoch with the new global batch, which is sound but no longer identical.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
-from collections.abc import Sequence
+import math
+import secrets
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from worker.trainer._tf import keras
-from worker.trainer.callbacks import MONITOR, BestEpoch, EpochCallback, EpochReporter
+from worker.trainer.callbacks import (
+    BestEpoch,
+    EarlyStopper,
+    EpochCallback,
+    EpochReporter,
+    EpochShuffle,
+    variable_values,
+)
+from worker.trainer.checkpoint import (
+    MODEL_PREFIX,
+    CheckpointStore,
+    FinishedLayer,
+    LayerState,
+    TrainingInterrupted,
+    TrainingState,
+    generator_from_state,
+    write_atomic,
+)
 from worker.trainer.dataset import PatchDataset, split_validation
 from worker.trainer.distribute import plan_training, trained_optimizer_variables
 from worker.trainer.errors import TrainingInputError
@@ -84,6 +130,211 @@ def check_samples(centres: dict[str, Centres], settings: TrainSettings) -> None:
             )
 
 
+#: The settings that change what a run trains: a checkpoint is only resumed with the same.
+#: (``strategy`` and ``mixed_precision`` say where it runs; see the module docstring.)
+RUN_SETTINGS = (
+    "epochs",
+    "max_samples_per_label",
+    "patch_height",
+    "patch_width",
+    "batch_size",
+    "patience",
+    "validation_split",
+    "seed",
+    "include_optimizer",
+)
+
+SaveLayer = Callable[[LayerState], Path]
+
+
+def run_identity(page: Page, settings: TrainSettings) -> dict[str, Any]:
+    """What identifies a run in its checkpoints: the page (size, labels, a digest of its
+    pixels and masks) and the :data:`RUN_SETTINGS`."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(np.ascontiguousarray(page.image).tobytes())
+    for label, mask in page.masks.items():
+        digest.update(label.encode() + b"\0")
+        digest.update(np.packbits(np.asarray(mask, dtype=bool)).tobytes())
+    return {
+        "page": {"height": page.height, "width": page.width, "labels": list(page.masks), "digest": digest.hexdigest()},
+        "settings": {name: getattr(settings, name) for name in RUN_SETTINGS},
+    }
+
+
+def check_same_run(saved: Mapping[str, Any], current: Mapping[str, Any], where: object) -> None:
+    """Raise TrainingInputError, naming what differs, unless ``saved`` and ``current`` identify the same run."""
+    differences = []
+    old_page, new_page = saved.get("page", {}), current["page"]
+    if (old_page.get("width"), old_page.get("height")) != (new_page["width"], new_page["height"]):
+        differences.append(
+            f"the page is {new_page['width']}x{new_page['height']} pixels, "
+            f"the checkpoint's {old_page.get('width')}x{old_page.get('height')}"
+        )
+    elif old_page.get("labels") != new_page["labels"]:
+        differences.append(f"the layers are {new_page['labels']}, the checkpoint's {old_page.get('labels')}")
+    elif old_page.get("digest") != new_page["digest"]:
+        differences.append("the page's image or layers differ from the checkpoint's")
+    old_settings = saved.get("settings", {})
+    for name, value in current["settings"].items():
+        if old_settings.get(name) != value:
+            differences.append(f"{name} is {value!r}, the checkpoint's {old_settings.get(name)!r}")
+    if differences:
+        raise TrainingInputError(
+            f"the checkpoints in {where} belong to another training run ({'; '.join(differences)}); "
+            "they cannot be resumed with this page and these settings: remove them or start a new run"
+        )
+
+
+def _assign(variables: Sequence[Any], values: Sequence[npt.NDArray[Any]]) -> None:
+    for variable, value in zip(variables, values, strict=True):
+        variable.assign(value)
+
+
+def restore_optimizer(optimizer: Any, values: Sequence[npt.NDArray[Any]]) -> None:
+    """Set a built optimizer's variables to ``values`` (``optimizer.variables`` when they were saved).
+
+    When one side is a mixed-precision ``LossScaleOptimizer`` and the other not (a run resumed
+    under another precision policy), only the wrapped Adam's variables, the tail of both
+    lists, carry over.
+    """
+    variables = list(optimizer.variables)
+    if len(variables) != len(values):
+        log.warning("the optimizer had %d variables, now %d: restoring Adam's only", len(values), len(variables))
+        count = min(len(variables), len(values))
+        variables, values = variables[len(variables) - count :], values[len(values) - count :]
+    _assign(variables, values)
+
+
+def restore_model(model: Any, strategy: Any, state: LayerState) -> None:
+    """Give a freshly built, compiled model a checkpoint's weights and optimizer state."""
+    with strategy.scope():
+        model.set_weights(state.weights)
+        if not model.optimizer.built:  # Keras builds it at the first step: too late to restore it then
+            model.optimizer.build(model.trainable_variables)
+        restore_optimizer(model.optimizer, state.optimizer_variables)
+
+
+class _AddMetricSums(keras.callbacks.Callback):  # type: ignore[misc]
+    """Adds the running sums of the metrics at an interruption to the first batch's.
+
+    Keras resets the metrics when an epoch begins and builds them at the first step, so
+    they cannot be set before it. They are sums (Keras' Mean: total and count), and float
+    addition commutes, so the saved sums plus the first batch's equal, bit for bit, what
+    the uninterrupted epoch had after that batch: the epoch's loss and accuracy cover the
+    whole epoch.
+    """
+
+    def __init__(self, sums: list[npt.NDArray[Any]]) -> None:
+        super().__init__()
+        self.sums: list[npt.NDArray[Any]] | None = sums
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        if self.sums is None:
+            return
+        variables = [v for metric in self.model.metrics for v in metric.variables]
+        for variable, value in zip(variables, self.sums, strict=True):
+            variable.assign_add(value)
+        self.sums = None
+
+
+class LayerLoop(keras.callbacks.Callback):  # type: ignore[misc]
+    """Follows a layer's training: keeps its history, checkpoints every epoch end, stops on request.
+
+    ``save`` (None: nothing is saved) receives the layer's :meth:`state` at every epoch end
+    and when ``stop_requested`` stops training part-way; :meth:`save_now` saves at any batch
+    boundary (``benchmarks/bench_checkpoint.py`` does, every few steps). Must come after
+    every other callback of the trainer, so that an epoch end's checkpoint holds what they
+    made of the epoch; :class:`EpochShuffle` must come before it.
+    """
+
+    def __init__(
+        self,
+        label: str,
+        train_data: PatchDataset,
+        epochs: int,
+        best: BestEpoch,
+        stopper: EarlyStopper,
+        history: dict[str, list[float]],
+        save: SaveLayer | None,
+        stop_requested: Callable[[], bool] | None,
+    ) -> None:
+        super().__init__()
+        self.label = label
+        self.data = train_data
+        self.epochs = epochs
+        self.best = best
+        self.stopper = stopper
+        self.history = history
+        self.save = save
+        self.stop_requested = stop_requested
+        self.epoch = 0  # 0-based index of the epoch in progress
+        self.samples_done = 0  # of that epoch, in the order self.order
+        self.order: npt.NDArray[np.int64] | None = None
+        self._continue: tuple[npt.NDArray[np.int64], int] | None = None
+
+    @property
+    def batches(self) -> int:
+        return len(self.data)
+
+    def continue_epoch(self, order: npt.NDArray[np.int64], samples_done: int) -> None:
+        """The next fit's first epoch is the rest of one with ``order``, ``samples_done`` samples in."""
+        self._continue = (order, samples_done)
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self.epoch = epoch
+        if self._continue is not None:
+            (self.order, self.samples_done), self._continue = self._continue, None
+        else:  # EpochShuffle, earlier in the list, has drawn this epoch's order
+            self.order, self.samples_done = self.data.order, 0
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        self.samples_done = min(self.samples_done + self.data.batch_size, self.data.samples)
+        if self.stop_requested is None or self.samples_done >= self.data.samples or not self.stop_requested():
+            return
+        path = self.save_now()
+        done = math.ceil(self.samples_done / self.data.batch_size)
+        log.info("layer %r: stopped in epoch %d after batch %d of %d", self.label, self.epoch + 1, done, self.batches)
+        raise TrainingInterrupted(self.label, self.epoch + 1, done, self.batches, path)
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        for key, value in (logs or {}).items():
+            self.history.setdefault(key, []).append(float(value))
+        self.epoch, self.samples_done, self.order = epoch + 1, 0, None
+        path = self.save_now()
+        continues = not self.model.stop_training and epoch + 1 < self.epochs
+        if continues and self.stop_requested is not None and self.stop_requested():
+            log.info("layer %r: stopped after epoch %d", self.label, epoch + 1)
+            raise TrainingInterrupted(self.label, epoch + 2, 0, self.batches, path)
+
+    def save_now(self) -> Path | None:
+        """Save the layer's state now (at a batch boundary); returns the checkpoint, None without ``save``."""
+        return self.save(self.state()) if self.save is not None else None
+
+    def state(self) -> LayerState:
+        """The layer's state now (at a batch boundary)."""
+        model = self.model
+        rng = self.data.rng
+        part_way = self.samples_done > 0
+        return LayerState(
+            label=self.label,
+            epoch=self.epoch,
+            sample_offset=self.samples_done,
+            batch=math.ceil(self.samples_done / self.data.batch_size),
+            batches=self.batches,
+            batch_size=self.data.batch_size,
+            weights=[np.array(w, copy=True) for w in model.get_weights()],
+            optimizer_variables=variable_values(model.optimizer.variables),
+            metric_variables=variable_values([v for m in model.metrics for v in m.variables]) if part_way else [],
+            early_stopping=self.stopper.state(),
+            best=self.best.state(),
+            best_weights=self.best.weights,
+            best_optimizer_variables=self.best.optimizer_variables,
+            rng_state=dict(rng.bit_generator.state) if rng is not None else {},
+            permutation=self.order if part_way else None,
+            history={key: list(values) for key, values in self.history.items()},
+        )
+
+
 def train_label(
     page: Page,
     label: str,
@@ -94,14 +345,24 @@ def train_label(
     init_seed: int | None = None,
     on_epoch: EpochCallback | None = None,
     callbacks: Sequence[Any] = (),
+    resume: LayerState | None = None,
+    save: SaveLayer | None = None,
+    stop_requested: Callable[[], bool] | None = None,
 ) -> LabelResult:
     """Train a fresh SAE on ``label``'s samples and return its best epoch.
 
-    The first ``1 - validation_split`` of ``centres`` train (reshuffled every epoch), the
-    rest validate, ``settings.batch_size`` patches per replica and step (see
-    :mod:`worker.trainer.distribute` for the strategy and the precision); at most ``settings.epochs`` epochs with
-    early stopping on val_accuracy. ``init_seed`` seeds Keras (weight initialisation);
-    ``callbacks`` are extra Keras callbacks, run after the trainer's own.
+    The first ``1 - validation_split`` of ``centres`` train (in a new order every epoch,
+    drawn from ``shuffle_rng``), the rest validate, ``settings.batch_size`` patches per
+    replica and step (see :mod:`worker.trainer.distribute` for the strategy and the
+    precision); at most ``settings.epochs`` epochs with early stopping on val_accuracy.
+    ``init_seed`` seeds Keras (weight initialisation); ``callbacks`` are extra Keras
+    callbacks, run after the trainer's own (their ``on_train_end`` is also called when
+    training is interrupted, so that TensorBoard writes out what it has).
+
+    ``resume`` continues from a checkpoint's state of this layer (``shuffle_rng`` must then
+    be the generator in that state, see :func:`generator_from_state`). ``save`` is called
+    with the layer's state at every epoch end and when ``stop_requested`` stops training
+    (see the module docstring), which raises TrainingInterrupted.
     """
     train_centres, validation_centres = split_validation(centres, settings.validation_split)
     if len(train_centres) == 0 or len(validation_centres) == 0:
@@ -119,34 +380,68 @@ def train_label(
     )
     validation_data = PatchDataset(page.image, mask, validation_centres, ph, pw, batch, multiple_of=replicas)
     best = BestEpoch(keep_optimizer=settings.include_optimizer)
-    stopper = keras.callbacks.EarlyStopping(monitor=MONITOR, patience=settings.patience, mode="max")
-    reporter = EpochReporter(label, len(train_centres), on_epoch)
+    stopper = EarlyStopper(settings.patience)
+    history: dict[str, list[float]] = {}
+    loop = LayerLoop(label, train_data, settings.epochs, best, stopper, history, save, stop_requested)
+    first_epoch, rest_of_epoch = 0, None
+    if resume is not None:
+        best.restore(resume.best, resume.best_weights, resume.best_optimizer_variables)
+        stopper.restore(resume.early_stopping)
+        history.update({key: list(values) for key, values in resume.history.items()})
+        first_epoch = resume.epoch
+        if resume.sample_offset and resume.permutation is not None:
+            rest_of_epoch = train_data.remaining(resume.permutation, resume.sample_offset)
+            loop.continue_epoch(resume.permutation, resume.sample_offset)
+        log.info(
+            "layer %r: resuming in epoch %d after %d of its %d training patches",
+            label, first_epoch + 1, resume.sample_offset, len(train_centres),
+        )  # fmt: skip
+
+    def fit(data: Any, start: int, stop: int, samples: int, own: list[Any]) -> None:
+        reporter = EpochReporter(label, samples, on_epoch)
+        model.fit(
+            data,
+            validation_data=validation_data,
+            initial_epoch=start,
+            epochs=stop,
+            shuffle=False,  # the dataset shuffles itself (EpochShuffle): Keras would reorder its batches
+            callbacks=[*own, best, stopper, reporter, *callbacks, loop],
+            verbose=0,
+        )
+
+    left = rest_of_epoch is not None or (first_epoch < settings.epochs and not stopper.stopped)
+    if left and stop_requested is not None and stop_requested():  # the latest checkpoint is where we are
+        batch_done = resume.batch if resume is not None else 0
+        raise TrainingInterrupted(label, first_epoch + 1, batch_done, len(train_data), None)
     log.info("layer %r: training on %d patches, validating on %d", label, len(train_centres), len(validation_centres))
-    history = model.fit(
-        train_data,
-        validation_data=validation_data,
-        epochs=settings.epochs,
-        callbacks=[best, stopper, reporter, *callbacks],
-        verbose=0,
-    )
+    if resume is not None:
+        restore_model(model, plan.strategy, resume)
+    try:
+        if rest_of_epoch is not None and resume is not None:
+            sums = [_AddMetricSums(resume.metric_variables)] if resume.metric_variables else []
+            fit(rest_of_epoch, first_epoch, first_epoch + 1, rest_of_epoch.samples, sums)
+            first_epoch += 1
+        if first_epoch < settings.epochs and not stopper.stopped:
+            fit(train_data, first_epoch, settings.epochs, len(train_centres), [EpochShuffle(train_data.shuffle)])
+    except TrainingInterrupted:
+        for callback in callbacks:  # e.g. TensorBoard: close its writers, so that its files are complete
+            callback.on_train_end()
+        raise
     weights, optimizer_variables = best.weights, trained_optimizer_variables(model, best.optimizer_variables)
     if weights is None:  # no epoch reported val_accuracy: keep what training ended with
         weights = model.get_weights()
         if settings.include_optimizer:
-            optimizer_variables = trained_optimizer_variables(
-                model, [np.array(keras.ops.convert_to_numpy(v)) for v in model.optimizer.variables]
-            )
-    values = {key: [float(v) for v in series] for key, series in history.history.items()}
+            optimizer_variables = trained_optimizer_variables(model, variable_values(model.optimizer.variables))
     return LabelResult(
         label=label,
         weights=weights,
         optimizer_variables=optimizer_variables,
         best_epoch=best.best_epoch,
         best_val_accuracy=best.best,
-        epochs_run=len(values.get("loss", [])),
+        epochs_run=len(history.get("loss", [])),
         train_samples=len(train_centres),
         validation_samples=len(validation_centres),
-        history=values,
+        history=history,
     )
 
 
@@ -156,6 +451,9 @@ def train_page(
     out_dir: Path,
     on_epoch: EpochCallback | None = None,
     run_dir: RunDirectory | None = None,
+    *,
+    checkpoints: CheckpointStore | None = None,
+    stop_requested: Callable[[], bool] | None = None,
 ) -> dict[str, Path]:
     """Train one model per layer of ``page`` (in ``page.masks`` order) into ``out_dir``.
 
@@ -170,43 +468,141 @@ def train_page(
 
     With ``run_dir`` the settings go to its settings.json first, each layer's fit writes
     TensorBoard summaries to ``run_dir.tensorboard_dir(label)``, every epoch's record is
-    kept there too, and after each layer its history files and curves are rewritten.
+    kept there too, and after each layer (and when training is interrupted) its history
+    files and curves are rewritten.
+
+    With ``checkpoints`` the run is checkpointed and resumed (see the module docstring):
+    if the store holds a checkpoint, it must be of this page and these settings
+    (TrainingInputError otherwise), and the run continues from it; the epoch records
+    before it are put back into ``run_dir`` (``on_epoch`` only hears of the epochs trained
+    in this call). Without ``settings.seed`` a seed is drawn at the first start and kept in
+    the checkpoints. ``stop_requested`` (any callable, polled between batches; a signal
+    handler should only set the flag it reads) makes training save a checkpoint and raise
+    TrainingInterrupted; without ``checkpoints`` it still stops, but nothing is saved.
     """
     if run_dir is not None:  # first, so that a run that fails on its input still says how it was set
         run_dir.write_settings(dataclasses.asdict(settings))
-        on_epoch = run_dir.epoch_callback(on_epoch)
     check_page(page, settings)
     labels = list(page.masks)
-    sampling_seed, *label_seeds = np.random.SeedSequence(settings.seed).spawn(1 + len(labels))
-    centres = sample_centres(
-        page.masks,
-        settings.patch_height,
-        settings.patch_width,
-        settings.max_samples_per_label,
-        np.random.default_rng(sampling_seed),
-    )
+    run: dict[str, Any] = {}
+    state: TrainingState | None = None
+    if checkpoints is not None:
+        run = run_identity(page, settings)
+        state = checkpoints.load_latest()
+        if state is not None:
+            check_same_run(state.run, run, checkpoints.directory)
+    seed = settings.seed
+    if state is not None:
+        seed = state.seed
+    elif seed is None and checkpoints is not None:
+        seed = secrets.randbits(63)  # kept in the checkpoints, so that a resumed run continues with it
+    sampling_seed, *label_seeds = np.random.SeedSequence(seed).spawn(1 + len(labels))
+    if state is not None:
+        centres = state.centres
+        log.info(
+            "resuming from checkpoint %d: %d of %d layers finished",
+            state.sequence, len(state.finished), len(labels),
+        )  # fmt: skip
+    else:
+        centres = sample_centres(
+            page.masks,
+            settings.patch_height,
+            settings.patch_width,
+            settings.max_samples_per_label,
+            np.random.default_rng(sampling_seed),
+        )
     check_samples(centres, settings)
+
+    records: list[dict[str, Any]] = [dict(r) for r in state.records] if state is not None else []
+    if run_dir is not None:
+        run_dir.reserve_tensorboard_names(labels)  # the same directory per label whichever layer a run starts at
+        if state is not None:
+            run_dir.restore_records(records)
+        on_epoch = run_dir.epoch_callback(on_epoch)
+    passed_on = on_epoch
+
+    def record(event: dict[str, Any]) -> None:
+        records.append(dict(event))
+        if passed_on is not None:
+            passed_on(event)
+
+    finished: dict[str, FinishedLayer] = {f.label: f for f in state.finished} if state is not None else {}
+    current = state.current if state is not None else None
+    known_seed = seed
+
+    def snapshot(layer: LayerState | None) -> TrainingState:
+        assert known_seed is not None  # drawn above whenever there are checkpoints
+        return TrainingState(
+            run=run,
+            seed=known_seed,
+            centres=centres,
+            finished=list(finished.values()),
+            current=layer,
+            records=[dict(r) for r in records],
+        )
+
+    def save_layer(layer: LayerState) -> Path:
+        assert checkpoints is not None
+        return checkpoints.save(snapshot(layer))
+
+    save: SaveLayer | None = None
+    if checkpoints is not None:
+        save = save_layer
+        if state is None:
+            checkpoints.save(snapshot(None))  # the seed and the samples, before any training
+
     names = model_file_names(labels)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Path] = {}
-    for label, label_seed in zip(labels, label_seeds, strict=True):
-        shuffle_seed, init_seed = label_seed.spawn(2)
-        result = train_label(
-            page,
-            label,
-            centres[label],
-            settings,
-            shuffle_rng=np.random.default_rng(shuffle_seed),
-            init_seed=None if settings.seed is None else int(init_seed.generate_state(1)[0]),
-            on_epoch=on_epoch,
-            callbacks=() if run_dir is None else run_dir.keras_callbacks(label),
-        )
-        paths[label] = save_model(result, out_dir / names[label], settings)
-        log.info(
-            "layer %r: best val_accuracy %.4f at epoch %d of %d, saved to %s",
-            label, result.best_val_accuracy, result.best_epoch, result.epochs_run, paths[label],
-        )  # fmt: skip
+    try:
+        for label, label_seed in zip(labels, label_seeds, strict=True):
+            done = finished.get(label)
+            if done is not None and checkpoints is not None:
+                paths[label] = write_atomic(out_dir / names[label], checkpoints.read_file(done.file))
+                log.info(
+                    "layer %r: trained before (best val_accuracy %.4f at epoch %d of %d), model from %s",
+                    label, done.best_val_accuracy, done.best_epoch, done.epochs_run, checkpoints.directory,
+                )  # fmt: skip
+                continue
+            shuffle_seed, init_seed = label_seed.spawn(2)
+            resume = current if current is not None and current.label == label else None
+            rng = generator_from_state(resume.rng_state) if resume else np.random.default_rng(shuffle_seed)
+            result = train_label(
+                page,
+                label,
+                centres[label],
+                settings,
+                shuffle_rng=rng,
+                init_seed=None if seed is None else int(init_seed.generate_state(1)[0]),
+                on_epoch=record,
+                callbacks=() if run_dir is None else run_dir.keras_callbacks(label),
+                resume=resume,
+                save=save,
+                stop_requested=stop_requested,
+            )
+            paths[label] = save_model(result, out_dir / names[label], settings)
+            if checkpoints is not None:
+                data = paths[label].read_bytes()
+                kept = checkpoints.write_file(MODEL_PREFIX + names[label], data)
+                finished[label] = FinishedLayer(
+                    label=label,
+                    file=kept.name,
+                    sha256=hashlib.sha256(data).hexdigest(),
+                    best_epoch=result.best_epoch,
+                    best_val_accuracy=result.best_val_accuracy,
+                    epochs_run=result.epochs_run,
+                    history=result.history,
+                )
+                checkpoints.save(snapshot(None))
+            log.info(
+                "layer %r: best val_accuracy %.4f at epoch %d of %d, saved to %s",
+                label, result.best_val_accuracy, result.best_epoch, result.epochs_run, paths[label],
+            )  # fmt: skip
+            if run_dir is not None:
+                run_dir.write_artifacts()
+    except TrainingInterrupted:
         if run_dir is not None:
             run_dir.write_artifacts()
+        raise
     return paths

@@ -1,0 +1,145 @@
+"""Time-limit warnings, and continuing the training in a new job.
+
+The scheduler warns a job before its time limit: Slurm sends SIGUSR1
+(``--signal=B:USR1@N``), Grid Engine SIGUSR2 (``-notify``, at the limit itself). The
+worker also keeps its own timer from the batch script's ``HPC_JOB_STARTED``,
+``HPC_JOB_TIME_LIMIT_S`` and ``HPC_JOB_WARN_S``, so the warning comes on time even where
+the scheduler's is late or lost. The signal handler only sets a flag; the trainer looks
+at it between batches, saves a checkpoint and stops (``TrainingInterrupted``).
+
+The worker then asks the scheduler to run the job again (``Scheduler.continue_job``:
+Slurm requeues the same job id, Grid Engine submits a successor held on this job) after
+recording it in ``jobs/KEY/continuation.json`` for the bridge's reconciliation.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import structlog
+
+from bridge.continuation import Continuation, write_continuation
+from bridge.schedulers import JobSpec, get_scheduler
+from bridge.spool import Spool, atomic_write_json
+
+log = structlog.get_logger("worker")
+
+#: The signals a scheduler warns with (Slurm: USR1 as we ask; Grid Engine -notify: USR2).
+WARNING_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+
+
+class TimeLimitWarning:
+    """Set by a warning signal or by the job's own deadline; read between batches."""
+
+    def __init__(self, deadline: float | None = None) -> None:
+        self.deadline = deadline  # epoch seconds at which to stop, or None
+        self.signal_name = ""  # the first warning signal received
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str] | None = None) -> TimeLimitWarning:
+        """The deadline ``HPC_JOB_STARTED + HPC_JOB_TIME_LIMIT_S - HPC_JOB_WARN_S``, when all are set."""
+        env = os.environ if environ is None else environ
+        try:
+            started = float(env["HPC_JOB_STARTED"])
+            limit = float(env["HPC_JOB_TIME_LIMIT_S"])
+            warn = float(env["HPC_JOB_WARN_S"])
+        except (KeyError, ValueError):
+            return cls(None)
+        return cls(started + limit - warn if warn > 0 else None)
+
+    def install(self) -> TimeLimitWarning:
+        for signum in WARNING_SIGNALS:
+            signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if not self.signal_name:  # only a flag: the trainer acts at its next batch boundary
+            self.signal_name = signal.Signals(signum).name
+
+    def __call__(self) -> bool:
+        """True once the job should checkpoint and stop."""
+        return bool(self.signal_name) or (self.deadline is not None and time.time() >= self.deadline)
+
+    @property
+    def reason(self) -> str:
+        if self.signal_name:
+            return f"the scheduler's warning ({self.signal_name})"
+        return "the job's own deadline (time limit minus HPC_WARN_SECONDS)"
+
+
+@dataclass(frozen=True)
+class ContinuationPlan:
+    """How this request's job runs again: from the ``job`` and ``continuation`` parameters."""
+
+    scheduler: str
+    options: dict[str, str]
+    timeout_s: float
+    script: Path
+    spec: JobSpec
+    count: int  # continuations before this job
+    maximum: int
+    node_local_dir: Path | None
+    sync_s: float
+
+    @classmethod
+    def from_parameters(cls, raw: Mapping[str, Any]) -> ContinuationPlan | None:
+        job, cont = raw.get("job"), raw.get("continuation")
+        if not job or not cont:
+            return None
+        return cls(
+            scheduler=str(job["scheduler"]),
+            options={str(k): str(v) for k, v in (job.get("options") or {}).items()},
+            timeout_s=float(job.get("timeout_s", 60.0)),
+            script=Path(job["script"]),
+            spec=JobSpec.from_json(job["spec"]),
+            count=int(cont.get("count", 0)),
+            maximum=int(cont.get("max", 0)),
+            node_local_dir=Path(cont["node_local_dir"]) if cont.get("node_local_dir") else None,
+            sync_s=float(cont.get("sync_s", 60.0)),
+        )
+
+    @property
+    def exhausted(self) -> bool:
+        return self.count >= self.maximum
+
+
+def continue_job(
+    plan: ContinuationPlan,
+    *,
+    params_path: Path,
+    raw_params: Mapping[str, Any],
+    spool: Spool,
+    key: str,
+    run_dir: Path,
+    stopped_at: str,
+) -> str:
+    """Rewrite the parameter file for the next job, record the continuation, ask the scheduler.
+
+    Returns the id of the job that continues. On Slurm the requeue ends this process
+    soon after, so everything else must be done before. Raises SchedulerUnavailable or
+    SchedulerRejected when the scheduler refuses.
+    """
+    job_id = os.environ.get("HPC_JOB_ID", "")
+    if not job_id:
+        raise RuntimeError("HPC_JOB_ID is not set: not inside a batch job rendered by hpc-bridge")
+    count = plan.count + 1
+    updated = dict(raw_params)
+    updated["continuation"] = {**dict(raw_params["continuation"]), "count": count}
+    updated["run_dir"] = str(run_dir)
+    atomic_write_json(params_path, updated)  # no token in it any more (see job.forget_token)
+    write_continuation(spool, key, Continuation(count=count, previous_job_id=job_id, stopped_at=stopped_at))
+    scheduler = get_scheduler(plan.scheduler, timeout_s=plan.timeout_s, options=plan.options)
+    log.info("job_continuing", continuation=count, of=plan.maximum, scheduler=plan.scheduler, stopped_at=stopped_at)
+    successor = scheduler.continue_job(job_id, plan.script, plan.spec)
+    write_continuation(
+        spool, key, Continuation(count=count, previous_job_id=job_id, job_id=successor, stopped_at=stopped_at)
+    )
+    log.info("job_continued", continuation=count, next_job_id=successor)
+    return successor
