@@ -71,6 +71,7 @@ class BridgeConfig:
     max_continuations: int = 5  # continuation jobs one request may use before it gets an error reply
     node_local_dir: Path | None = None  # checkpoint scratch on the compute node (default $SLURM_TMPDIR/$TMPDIR)
     checkpoint_sync_s: float = 60.0  # how often node-local checkpoints are copied to the run directory
+    training_seed: int | None = None  # one seed for every training (reproducible runs); default: one per request
     log_file: Path | None = None
     log_level: str = "INFO"
     credentials_file: Path | None = None
@@ -204,6 +205,7 @@ def load_config(credentials: Path | None = None, environ: Mapping[str, str] | No
         max_continuations=get.integer("HPC_MAX_CONTINUATIONS", 5, minimum=0),
         node_local_dir=Path(node_local).expanduser() if node_local else None,
         checkpoint_sync_s=get.number("HPC_CHECKPOINT_SYNC", 60.0),
+        training_seed=get.optional_integer("HPC_TRAINING_SEED", minimum=0),
         log_file=Path(log_file).expanduser() if log_file else None,
         log_level=get.text("HPC_LOG_LEVEL", "INFO"),
         credentials_file=Path(raw["HPC_BRIDGE_CREDENTIALS"]) if raw.get("HPC_BRIDGE_CREDENTIALS") else None,
@@ -288,6 +290,9 @@ class _Getter:
         if number < minimum:
             raise ConfigError(f"{name} must be at least {minimum}, got {number}")
         return number
+
+    def optional_integer(self, name: str, *, minimum: int = 0) -> int | None:
+        return self.integer(name, 0, minimum=minimum) if self.raw.get(name, "").strip() else None
 
     def number(self, name: str, default: float) -> float:
         value = self.raw.get(name, "").strip()
