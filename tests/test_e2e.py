@@ -328,3 +328,78 @@ def test_enqueue_waits_for_the_daemon_and_a_real_training(harness, sample_inputs
     record = harness.ledger(out["correlation_id"])
     assert record["state"] == "replied" and record["outcome"] == "ok" and record["scheduler"] == harness.cluster.name
     assert harness.cluster.jobs_started(record["job_name"]) == [record["job_id"]]
+
+
+# --- training longer than one job ----------------------------------------------------------------
+
+#: A training of about a minute on 2 cores: more than a one-minute job warned 10 s before its limit.
+LONG = {
+    **FAST,
+    "Maximum number of training epochs": 4,
+    "Maximum number of samples per label": 300,
+    "Patience": 10,  # every epoch runs: the epoch count is the same however the training was cut
+}
+
+
+def models_of(reply: dict[str, Any], where: Path) -> dict[str, list[np.ndarray]]:
+    import keras
+
+    where.mkdir(parents=True)
+    weights = {}
+    for key, encoded in reply.items():
+        path = where / f"{key}.hdf5"
+        path.write_bytes(base64.decodebytes(encoded.encode("ascii")))
+        weights[key] = keras.models.load_model(path, compile=False).get_weights()
+    return weights
+
+
+@pytest.mark.training
+@pytest.mark.slow
+def test_training_longer_than_one_job_continues_and_equals_an_uninterrupted_run(
+    harness, rodan, sample_inputs, tmp_path
+):
+    """One request needs several one-minute jobs; the same request with time to spare needs one.
+
+    With the same seed both must train the same number of epochs on the same samples, and so
+    end with the same models; each gets exactly one reply.
+    """
+    cluster = harness.cluster
+    harness.env.update(HPC_WARN_SECONDS="10", HPC_TRAINING_SEED="20261126", HPC_MAX_CONTINUATIONS="6")
+    page = sample_inputs("new", n_layers=1, height=320, width=384, seed=12)
+    continued = rodan.publish_request(page, {**LONG, "Maximum time (D-HH:MM)": "0-00:01"})
+    reference = rodan.publish_request(page, {**LONG, "Maximum time (D-HH:MM)": "0-00:15"})
+    harness.drive([continued, reference], timeout=900)
+    time.sleep(3)
+    harness.check()
+    harness.collect()
+
+    runs = {}
+    for corr in (continued, reference):
+        record = harness.ledger(corr)
+        assert record["state"] == "replied" and record["outcome"] == "ok", record.get("reason")
+        (runs[corr],) = (harness.spool / "runs").glob(f"*-{corr}")
+        assert not (harness.spool / "params" / f"{corr}.json").exists()
+        assert not (runs[corr] / "checkpoints").exists() and not (runs[corr] / "inputs").exists()
+    record = harness.ledger(continued)
+    assert record["continuations"] >= 1 and harness.ledger(reference)["continuations"] == 0
+    if cluster.name == "slurm":  # requeued: one job id that ran several times
+        assert cluster.jobs_started(record["job_name"]) == [record["job_id"]]
+        assert "restart 1" in harness.job_output(continued)
+    else:  # one held successor per continuation
+        assert len(record["job_ids"]) == record["continuations"] + 1
+        assert cluster.jobs_started(record["job_name"]) == record["job_ids"]
+    events = [json.loads(line)["event"] for line in (runs[continued] / "job.log").read_text().splitlines()]
+    assert events.count("training_stopped") == record["continuations"] == events.count("job_resume")
+    assert events.count("job_continuing") == record["continuations"]
+
+    # Same epochs, same samples, same models.
+    histories = {corr: np.load(runs[corr] / "history.npz") for corr in runs}
+    for key in ("Background Model", "Model 0"):
+        epochs = [list(histories[corr][f"{key}/epoch"]) for corr in (continued, reference)]
+        assert epochs[0] == epochs[1] == [1.0, 2.0, 3.0, 4.0]
+    got = models_of(only_reply(harness, continued), tmp_path / "continued")
+    want = models_of(only_reply(harness, reference), tmp_path / "reference")
+    assert sorted(got) == sorted(want) == ["Background Model", "Model 0"]
+    for key in want:
+        for a, b in zip(got[key], want[key], strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=key)
