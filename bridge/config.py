@@ -166,6 +166,12 @@ def load_config(credentials: Path | None = None, environ: Mapping[str, str] | No
     if not scheduler:
         raise ConfigError(f"HPC_SCHEDULER must be 'slurm' or 'gridengine', got {raw.get('HPC_SCHEDULER')!r}")
     node_local = get.text("HPC_NODE_LOCAL_DIR", "")
+    worker_python = get.text("HPC_WORKER_PYTHON", sys.executable)
+    if not Path(worker_python).is_absolute():
+        raise ConfigError(
+            f"HPC_WORKER_PYTHON must be an absolute path, got {worker_python!r}: batch jobs start with the "
+            "cluster's login PATH (Grid Engine resets it), not yours"
+        )
     log_file = get.text("HPC_LOG_FILE", "")
     return BridgeConfig(
         broker_url=broker_url_from(raw),
@@ -188,7 +194,7 @@ def load_config(credentials: Path | None = None, environ: Mapping[str, str] | No
         sge_memory_resource=get.text("HPC_SGE_MEMORY_RESOURCE", "mem_free"),
         gpu_rules=parse_gpu_rules(get.text("HPC_GPU_RULES", "gpu:1")),
         scheduler_args=tuple(_split("HPC_SCHEDULER_ARGS", get.text("HPC_SCHEDULER_ARGS", ""))),
-        worker_python=get.text("HPC_WORKER_PYTHON", sys.executable),
+        worker_python=worker_python,
         max_attempts=get.integer("HPC_MAX_ATTEMPTS", 5, minimum=1),
         max_reply_bytes=get.integer("HPC_MAX_REPLY_BYTES", 128 * 1024 * 1024, minimum=1024),
         rodan_timeout_s=get.number("HPC_RODAN_TIMEOUT", 30.0),

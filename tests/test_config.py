@@ -59,6 +59,9 @@ def test_missing_settings_are_named(missing: str) -> None:
         ("HPC_GPU_RULES", "gpu 1"),
         ("HPC_SCHEDULER_ARGS", "--qos='unclosed"),
         ("HPC_SCHEDULER", "pbs"),
+        ("HPC_WORKER_PYTHON", "python3"),
+        ("HPC_TRAINING_SEED", "-1"),
+        ("HPC_WARN_SECONDS", "soon"),
         ("RABBITMQ_PORT", "amqp"),
     ],
 )
@@ -119,3 +122,30 @@ def test_values_are_taken_literally_without_expansion(tmp_path: Path) -> None:
     )
     creds.chmod(0o600)
     assert load_config(creds, environ={}).rodan_password == "a${HOME}b"
+
+
+def test_grid_engine_is_chosen_by_name_or_alias_with_its_site_settings() -> None:
+    for spelling in ("gridengine", "sge", "GridEngine"):
+        assert load_config(environ={**BASE, "HPC_SCHEDULER": spelling}).scheduler == "gridengine"
+    config = load_config(
+        environ={
+            **BASE,
+            "HPC_SCHEDULER": "sge",
+            "HPC_SGE_PROJECT": "rodanlab",
+            "HPC_SGE_QUEUE": "gpu.q",
+            "HPC_SGE_PE": "omp",
+            "HPC_SLURM_ACCOUNT": "def-lab",  # Slurm's: not used by Grid Engine
+        }
+    )
+    assert (config.account, config.partition) == ("rodanlab", "gpu.q")
+    assert config.scheduler_options == {"pe": "omp", "gpu_resource": "gpu", "memory_resource": "mem_free"}
+    slurm = load_config(environ={**BASE, "HPC_SLURM_ACCOUNT": "def-lab"})
+    assert (slurm.account, slurm.scheduler_options) == ("def-lab", {})
+
+
+def test_the_time_limit_warning_is_at_most_half_the_limit() -> None:
+    config = load_config(environ={**BASE, "HPC_WARN_SECONDS": "600"})
+    assert config.warn_seconds_for(6 * 60) == 600
+    assert config.warn_seconds_for(10) == 300
+    assert config.warn_seconds_for(1) == 30
+    assert load_config(environ={**BASE, "HPC_WARN_SECONDS": "0"}).warn_seconds_for(60) == 0

@@ -403,3 +403,24 @@ def test_training_longer_than_one_job_continues_and_equals_an_uninterrupted_run(
     for key in want:
         for a, b in zip(got[key], want[key], strict=True):
             np.testing.assert_array_equal(a, b, err_msg=key)
+
+
+@pytest.mark.training
+@pytest.mark.slow
+# The limit is the worker's and the same on every scheduler: checked where a continuation is quick
+# (a Grid Engine successor starts as soon as its predecessor ends; a Slurm requeue waits ~12 s).
+@pytest.mark.parametrize("cluster", ["gridengine"], indirect=True)
+def test_a_training_needing_more_jobs_than_allowed_gets_one_error_reply(harness, rodan, sample_inputs):
+    harness.env.update(HPC_WARN_SECONDS="10", HPC_MAX_CONTINUATIONS="1")
+    page = sample_inputs("new", n_layers=1, height=320, width=384, seed=13)
+    corr = rodan.publish_request(
+        page, {**LONG, "Maximum number of training epochs": 30, "Maximum time (D-HH:MM)": "0-00:01"}
+    )
+    harness.drive([corr], timeout=400)
+    error = only_reply(harness, corr)["error"]
+    assert "training needs more time than 2 jobs of 60 s each: it stopped at layer" in error
+    assert "after 1 continuations; raise 'Maximum time (D-HH:MM)' or the bridge's HPC_MAX_CONTINUATIONS" in error
+    record = harness.ledger(corr)
+    assert record["outcome"] == "error" and record["continuations"] == 1 and len(record["job_ids"]) == 2
+    assert harness.cluster.jobs_started(record["job_name"]) == record["job_ids"]
+    assert not (harness.spool / "params" / f"{corr}.json").exists()
