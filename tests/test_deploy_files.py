@@ -437,11 +437,12 @@ def test_logrotate_config_rotates_privately(tmp_path: Path) -> None:
 # --- deploy/README.md and the template link ---------------------------------------------
 
 
-def test_template_link_points_at_the_package_template() -> None:
-    link = DEPLOY / "templates" / "slurm.sh"
+@pytest.mark.parametrize("name", ["slurm.sh", "gridengine.sh"])
+def test_template_links_point_at_the_package_templates(name: str) -> None:
+    link = DEPLOY / "templates" / name
     assert link.is_symlink()
-    assert os.readlink(link) == "../../bridge/schedulers/templates/slurm.sh"
-    assert link.resolve() == (REPO / "bridge" / "schedulers" / "templates" / "slurm.sh").resolve()
+    assert os.readlink(link) == f"../../bridge/schedulers/templates/{name}"
+    assert link.resolve() == (REPO / "bridge" / "schedulers" / "templates" / name).resolve()
     assert link.read_text().startswith("#!/bin/bash")
 
 
@@ -457,8 +458,11 @@ def test_deploy_readme_lists_every_deploy_file() -> None:
         "systemd/README.md",
         "logrotate/hpc-bridge",
         "templates/slurm.sh",
+        "templates/gridengine.sh",
+        "examples/",
         "dev/slurm.sh",
-        "bridge/schedulers/templates/slurm.sh",
+        "dev/gridengine.sh",
+        "bridge/schedulers/templates/",
     ):
         assert path in readme, path
     for path in ("run_check", "cron/crontab.example", "logrotate/hpc-bridge", "systemd/README.md"):

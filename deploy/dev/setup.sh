@@ -2,7 +2,7 @@
 # Everything the demo and the tests need on a fresh Debian 12 machine (root), idempotently:
 #   - a virtualenv in .venv with the project, the worker extra (TensorFlow CPU) and dev tools;
 #   - RabbitMQ answering on 127.0.0.1:5672 (started, or installed then started, unless RABBITMQ_URL is set);
-#   - the single-node Slurm cluster (deploy/dev/slurm.sh up).
+#   - the single-node Slurm cluster (deploy/dev/slurm.sh up) and Grid Engine (deploy/dev/gridengine.sh up).
 # Second run: a few seconds (nothing is reinstalled unless pyproject.toml changed).
 set -euo pipefail
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it: set-up, lint, type-check, then pytest against the real
-# RabbitMQ, the real single-node Slurm cluster and the Rodan stand-in. Extra arguments go to pytest.
+# RabbitMQ, the real single-node Slurm and Grid Engine clusters and the Rodan stand-in. Extra arguments go to pytest.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$repo"

@@ -1,0 +1,1 @@
+../../bridge/schedulers/templates/gridengine.sh
