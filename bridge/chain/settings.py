@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from bridge.errors import BridgeError
+from bridge.schedulers.base import ENV_NAME
 
 EX_TEMPFAIL = 75  # sysexits.h: "temporary failure, try again" -> continue in the next link
 # Names the supervisor sets for the command; a -v may not override them.
@@ -36,7 +37,6 @@ CONTRACT_ENV = (
     "HPC_JOB_STARTED",
 )
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 
 
@@ -75,7 +75,7 @@ def parse_environment(items: Sequence[str], environ: Mapping[str, str]) -> dict[
     out: dict[str, str] = {}
     for item in items:
         name, sep, value = item.partition("=")
-        if not _ENV_NAME.match(name):
+        if not ENV_NAME.match(name):
             raise ChainError(f"-v: {name!r} is not a valid environment variable name (use NAME=VALUE)")
         if name in CONTRACT_ENV:
             raise ChainError(f"-v: {name} is set by hpc-bridge chain itself")

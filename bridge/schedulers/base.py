@@ -20,7 +20,7 @@ from pathlib import Path
 from string import Template
 from typing import Any
 
-from bridge.errors import SchedulerUnavailable
+from bridge.errors import SchedulerRejected, SchedulerUnavailable
 from bridge.shell import CommandError, CommandResult, run_command
 
 
@@ -141,8 +141,8 @@ class JobSpec:
         return cls(**values)
 
 
-# An exported variable's name; its value is shell-quoted instead.
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# An exported variable's name (its value is shell-quoted instead); `hpc-bridge chain -v` checks it too.
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # A directive value may hold no white space, quote, backslash or shell metacharacter:
 # it is written verbatim after '#SBATCH ' and read back by the scheduler.
 _DIRECTIVE_VALUE = re.compile(r"^[A-Za-z0-9@%+=:,./_-]+$")
@@ -179,7 +179,7 @@ def render_environment(spec: JobSpec, scheduler: str) -> str:
     }
     lines = []
     for name, value in {**standard, **spec.environment}.items():
-        if not _ENV_NAME.match(name):
+        if not ENV_NAME.match(name):
             raise ValueError(f"refusing unsafe value for environment variable name: {name!r}")
         if "\n" in value or "\0" in value:
             raise ValueError(f"refusing unsafe value for {name}: {value!r}")
@@ -207,6 +207,8 @@ class Scheduler(ABC):
     job_id_variable: str
     log_name: str
     log_name_id: str
+    #: Words in the submit command's output that no retry can fix: the request is refused for good.
+    permanent_submit_errors: tuple[str, ...] = ()
 
     def __init__(self, *, timeout_s: float = 60.0) -> None:
         self.timeout_s = timeout_s
@@ -273,7 +275,22 @@ class Scheduler(ABC):
         """A one-line description of the cluster; raises SchedulerUnavailable."""
         raise NotImplementedError
 
+    def clean(self, message: str) -> str:
+        """A scheduler command's output as one line for logs and error replies."""
+        return " ".join(line.strip() for line in message.splitlines() if line.strip())[:500]
+
     # --- the one way to run a scheduler command ------------------------------
+    def _submit_command(self, argv: Sequence[str]) -> CommandResult:
+        """Run the submit command: a refusal no retry can fix raises SchedulerRejected, any other
+        failure (controller down, timeout) SchedulerUnavailable."""
+        try:
+            return self._run(argv)
+        except CommandError as exc:
+            message = exc.output
+            if any(p.lower() in message.lower() for p in self.permanent_submit_errors):
+                raise SchedulerRejected(self.clean(message)) from exc
+            raise SchedulerUnavailable(f"{argv[0]} failed: {self.clean(message)}") from exc
+
     def _run(self, argv: Sequence[str], *, check: bool = True) -> CommandResult:
         try:
             return run_command(argv, timeout=self.timeout_s, env=scrubbed_environment(), check=check)

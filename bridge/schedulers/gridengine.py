@@ -10,9 +10,8 @@ import xml.etree.ElementTree as ET  # parses only qstat's own output
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from bridge.errors import SchedulerRejected, SchedulerUnavailable
+from bridge.errors import SchedulerUnavailable
 from bridge.schedulers.base import JobInfo, JobSpec, JobState, Scheduler, directive_value
-from bridge.shell import CommandError
 
 # qstat's state letters -> JobState. Any other state that holds an "E" (Eqw, Ehqw, ...) is ERROR:
 # the job is parked in an error state and never runs unless an operator clears it (qmod -cj).
@@ -138,6 +137,7 @@ class GridEngineScheduler(Scheduler):
     job_id_variable = "JOB_ID"
     log_name = "job-$JOB_ID.out"  # Grid Engine expands $JOB_ID in -o paths itself
     log_name_id = "$JOB_ID"
+    permanent_submit_errors = PERMANENT_SUBMIT_ERRORS
 
     def __init__(
         self, *, timeout_s: float = 60.0, pe: str = "smp", gpu_resource: str = "gpu", memory_resource: str = "mem_free"
@@ -186,14 +186,11 @@ class GridEngineScheduler(Scheduler):
             d.append(f"-hold_jid {_job_id('hold job id', spec.hold_after)}")
         return d
 
+    def clean(self, message: str) -> str:
+        return super().clean("\n".join(line for line in message.splitlines() if line.strip() != "Exiting."))
+
     def submit(self, script: Path, spec: JobSpec) -> str:
-        try:
-            result = self._run(["qsub", "-terse", *spec.extra_args, str(script)])
-        except CommandError as exc:
-            message = exc.output
-            if any(p.lower() in message.lower() for p in PERMANENT_SUBMIT_ERRORS):
-                raise SchedulerRejected(_clean(message)) from exc
-            raise SchedulerUnavailable(f"qsub failed: {_clean(message)}") from exc
+        result = self._submit_command(["qsub", "-terse", *spec.extra_args, str(script)])
         for line in result.stdout.splitlines():
             job_id = line.strip().split(".")[0]  # an array job prints N.1-3:1
             if job_id.isdigit():
@@ -219,7 +216,7 @@ class GridEngineScheduler(Scheduler):
             if records:
                 found[jid] = accounting_info(jid, records[-1])
             elif acct.returncode != 0 and not _no_record(acct.stdout + acct.stderr) and not found:
-                raise SchedulerUnavailable(f"qacct failed: {_clean(acct.stdout + acct.stderr)}")
+                raise SchedulerUnavailable(f"qacct failed: {self.clean(acct.stdout + acct.stderr)}")
         return found
 
     def find_by_name(self, name: str) -> list[str]:
@@ -232,12 +229,12 @@ class GridEngineScheduler(Scheduler):
     def cancel(self, job_id: str) -> None:
         result = self._run(["qdel", _job_id("job id", job_id)], check=False)
         if result.returncode != 0 and "does not exist" not in result.stdout + result.stderr:
-            raise SchedulerUnavailable(f"qdel failed: {_clean(result.stdout + result.stderr)}")
+            raise SchedulerUnavailable(f"qdel failed: {self.clean(result.stdout + result.stderr)}")
 
     def ping(self) -> str:
         result = self._run(["qstat", "-g", "c"], check=False)
         if result.returncode != 0:
-            raise SchedulerUnavailable(f"sge_qmaster: {_clean(result.stdout + result.stderr)}")
+            raise SchedulerUnavailable(f"sge_qmaster: {self.clean(result.stdout + result.stderr)}")
         rows = [ln.split() for ln in result.stdout.splitlines()[2:] if len(ln.split()) >= 6]
         return "; ".join(f"{r[0]}: {r[2]} of {r[5]} slots used" for r in rows) or "no cluster queues"
 
@@ -245,7 +242,7 @@ class GridEngineScheduler(Scheduler):
         """(id, name, state letters) of every job qstat knows, any user's."""
         result = self._run(["qstat", "-xml", "-u", "*"], check=False)
         if result.returncode != 0:
-            raise SchedulerUnavailable(f"qstat failed: {_clean(result.stdout + result.stderr)}")
+            raise SchedulerUnavailable(f"qstat failed: {self.clean(result.stdout + result.stderr)}")
         if not result.stdout.strip():
             return []
         try:
@@ -306,8 +303,3 @@ def _elapsed(seconds: float | None) -> str:
     hours, mins = divmod(minutes, 60)
     days, hours = divmod(hours, 24)
     return f"{days}-{hours:02d}:{mins:02d}:{secs:02d}" if days else f"{hours:02d}:{mins:02d}:{secs:02d}"
-
-
-def _clean(message: str) -> str:
-    lines = [ln.strip() for ln in message.splitlines() if ln.strip() and ln.strip() != "Exiting."]
-    return " ".join(lines)[:500]

@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from bridge.errors import SchedulerRejected, SchedulerUnavailable
+from bridge.errors import SchedulerUnavailable
 from bridge.protocol import format_duration
 from bridge.schedulers.base import JobInfo, JobSpec, JobState, Scheduler, directive_value
-from bridge.shell import CommandError
 
 # Slurm's state names (squeue %T and sacct State) -> JobState.
 STATE_TABLE: dict[str, JobState] = {
@@ -70,6 +69,7 @@ class SlurmScheduler(Scheduler):
     job_id_variable = "SLURM_JOB_ID"
     log_name = "job-%j.out"
     log_name_id = "%j"
+    permanent_submit_errors = PERMANENT_SUBMIT_ERRORS
 
     def directives(self, spec: JobSpec) -> list[str]:
         d = [
@@ -98,13 +98,7 @@ class SlurmScheduler(Scheduler):
         return d
 
     def submit(self, script: Path, spec: JobSpec) -> str:
-        try:
-            result = self._run(["sbatch", "--parsable", *spec.extra_args, str(script)])
-        except CommandError as exc:
-            message = exc.output
-            if any(p.lower() in message.lower() for p in PERMANENT_SUBMIT_ERRORS):
-                raise SchedulerRejected(_clean(message)) from exc
-            raise SchedulerUnavailable(f"sbatch failed: {_clean(message)}") from exc
+        result = self._submit_command(["sbatch", "--parsable", *spec.extra_args, str(script)])
         job_id = result.stdout.strip().split(";")[0]
         if not job_id.isdigit():
             raise SchedulerUnavailable(f"sbatch printed no job id: {result.stdout!r}")
@@ -122,7 +116,7 @@ class SlurmScheduler(Scheduler):
                 if jid in job_ids:
                     found[jid] = JobInfo(jid, translate(native), native, source="queue")
         elif "Invalid job id" not in live.stderr:
-            raise SchedulerUnavailable(f"squeue failed: {_clean(live.stderr)}")
+            raise SchedulerUnavailable(f"squeue failed: {self.clean(live.stderr)}")
         # Accounting for finished or forgotten jobs (and exit codes of finished ones).
         ask = [j for j in job_ids if j not in found or found[j].state.is_terminal]
         if ask:
@@ -132,7 +126,7 @@ class SlurmScheduler(Scheduler):
             )
             if acct.returncode != 0:
                 if not found:
-                    raise SchedulerUnavailable(f"sacct failed: {_clean(acct.stderr)}")
+                    raise SchedulerUnavailable(f"sacct failed: {self.clean(acct.stderr)}")
             for line in acct.stdout.splitlines():
                 parts = line.strip().split("|")
                 if len(parts) < 4 or parts[0] not in ask:
@@ -148,7 +142,7 @@ class SlurmScheduler(Scheduler):
         ids: set[str] = set()
         live = self._run(["squeue", "-h", "-t", "all", "--name", name, "-o", "%i"], check=False)
         if live.returncode != 0:
-            raise SchedulerUnavailable(f"squeue failed: {_clean(live.stderr)}")
+            raise SchedulerUnavailable(f"squeue failed: {self.clean(live.stderr)}")
         ids.update(line.strip() for line in live.stdout.splitlines() if line.strip())
         acct = self._run(
             ["sacct", "-n", "-X", "-P", "--name", name, "-S", "now-30days", "-o", "JobIDRaw"], check=False
@@ -157,6 +151,9 @@ class SlurmScheduler(Scheduler):
             ids.update(line.strip() for line in acct.stdout.splitlines() if line.strip())
         return sorted(ids, key=int)
 
+    def clean(self, message: str) -> str:
+        return super().clean("\n".join(line.strip().removeprefix("sbatch: error: ") for line in message.splitlines()))
+
     def continue_job(self, job_id: str, script: Path, spec: JobSpec) -> str:
         """``scontrol requeue``: the same job id runs again (``SLURM_RESTART_COUNT`` counts).
 
@@ -164,21 +161,16 @@ class SlurmScheduler(Scheduler):
         """
         result = self._run(["scontrol", "requeue", job_id], check=False)
         if result.returncode != 0:
-            raise SchedulerUnavailable(f"scontrol requeue {job_id} failed: {_clean(result.stderr)}")
+            raise SchedulerUnavailable(f"scontrol requeue {job_id} failed: {self.clean(result.stderr)}")
         return job_id
 
     def cancel(self, job_id: str) -> None:
         result = self._run(["scancel", job_id], check=False)
         if result.returncode != 0:
-            raise SchedulerUnavailable(f"scancel failed: {_clean(result.stderr)}")
+            raise SchedulerUnavailable(f"scancel failed: {self.clean(result.stderr)}")
 
     def ping(self) -> str:
         result = self._run(["scontrol", "ping"], check=False)
         if result.returncode != 0 or "DOWN" in result.stdout:
-            raise SchedulerUnavailable(f"slurmctld: {_clean(result.stdout + result.stderr)}")
+            raise SchedulerUnavailable(f"slurmctld: {self.clean(result.stdout + result.stderr)}")
         return result.stdout.strip()
-
-
-def _clean(message: str) -> str:
-    lines = [ln.strip() for ln in message.splitlines() if ln.strip()]
-    return " ".join(ln.removeprefix("sbatch: error: ") for ln in lines)[:500]
