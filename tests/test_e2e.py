@@ -315,10 +315,12 @@ def test_enqueue_waits_for_the_daemon_and_a_real_training(harness, sample_inputs
             str(tmp_path / "models"),
             timeout=330,
         )
+        assert result.returncode == 0, result.stderr[-2000:]
+        out = json.loads(result.stdout.strip().splitlines()[-1])
+        # the worker published the reply itself: the daemon settles it on its next reconciliation
+        wait_until(lambda: harness.ledger(out["correlation_id"])["state"] == "replied", 30, 0.5, "the ledger")
     finally:
         assert daemon.stop() == 0
-    assert result.returncode == 0, result.stderr[-2000:]
-    out = json.loads(result.stdout.strip().splitlines()[-1])
     assert sorted(out["models"]) == ["Background Model", "Model 0"]
     import keras
 
@@ -385,9 +387,9 @@ def test_training_longer_than_one_job_continues_and_equals_an_uninterrupted_run(
     if cluster.name == "slurm":  # requeued: one job id that ran several times
         assert cluster.jobs_started(record["job_name"]) == [record["job_id"]]
         assert "restart 1" in harness.job_output(continued)
-    else:  # one held successor per continuation
+    else:  # one held successor per continuation (accounted once it has ended, just after its reply)
         assert len(record["job_ids"]) == record["continuations"] + 1
-        assert cluster.jobs_started(record["job_name"]) == record["job_ids"]
+        wait_until(lambda: cluster.jobs_started(record["job_name"]) == record["job_ids"], 30, what="accounting")
     events = [json.loads(line)["event"] for line in (runs[continued] / "job.log").read_text().splitlines()]
     assert events.count("training_stopped") == record["continuations"] == events.count("job_resume")
     assert events.count("job_continuing") == record["continuations"]
@@ -422,5 +424,5 @@ def test_a_training_needing_more_jobs_than_allowed_gets_one_error_reply(harness,
     assert "after 1 continuations; raise 'Maximum time (D-HH:MM)' or the bridge's HPC_MAX_CONTINUATIONS" in error
     record = harness.ledger(corr)
     assert record["outcome"] == "error" and record["continuations"] == 1 and len(record["job_ids"]) == 2
-    assert harness.cluster.jobs_started(record["job_name"]) == record["job_ids"]
+    wait_until(lambda: harness.cluster.jobs_started(record["job_name"]) == record["job_ids"], 30, what="accounting")
     assert not (harness.spool / "params" / f"{corr}.json").exists()

@@ -303,7 +303,8 @@ def test_resuming_another_run_is_refused(tmp_path: Path) -> None:
     page = striped_page()
     unseeded = dataclasses.replace(SETTINGS, seed=None)
     store = CheckpointStore(tmp_path / "checkpoints")
-    with pytest.raises(TrainingInterrupted, match=r"^layer 'Background' epoch 1 batch 0 of 4$"):
+    # without a seed the sample count (and so the batch count) is random
+    with pytest.raises(TrainingInterrupted, match=r"^layer 'Background' epoch 1 batch 0 of \d+$"):
         train_page(page, unseeded, tmp_path / "out", checkpoints=store, stop_requested=lambda: True)
     saved = store.load_latest()
     assert saved is not None and saved.current is None and not saved.finished and list(saved.centres) == LABELS

@@ -22,7 +22,8 @@
 #   * the host name: when the host's IPv4 address reverse-resolves to another name (here
 #     127.0.0.1 -> `localhost` while `hostname` is `vm`), $SGE_ROOT/default/common/host_aliases
 #     maps it back, and act_qmaster names the host; both are read only at daemon start;
-#   * global config: min_uid/min_gid 0 (jobs run as root), shepherd_cmd = the real binary (the
+#   * global config: min_uid/min_gid 0 (jobs run as root), login_shells none (no profile in jobs: see
+#     configure_global), shepherd_cmd = the real binary (the
 #     Debian wrapper costs ~0.35 s CPU per job), accounting flushed at once (qacct sees a job ~1 s
 #     after it ends), execd_params ENABLE_ADDGRP_KILL=TRUE;
 #   * scheduler: schedule_interval 0:0:1, flush_submit_sec 1, flush_finish_sec 1 (a job starts
@@ -407,8 +408,13 @@ configure_global() {
   current=$(normalize <<<"$current")
   # min_uid/min_gid 0: root's jobs are refused with the default 1000.
   # reporting_params: the default flush_time=00:00:15 delays qacct by up to 15 s.
+  # login_shells none: job shells read no profile. Root's ~/.bashrc on these machines runs
+  # `pyenv rehash`, which waits 60 s on a lock that any job killed inside it leaves behind, so
+  # every later job would start a minute late. (Job scripts do not rely on a profile: they call
+  # absolute paths, which also covers sites whose login shells reset PATH.)
   wanted="min_uid 0
 min_gid 0
+login_shells none
 load_report_time 00:00:10
 shepherd_cmd $BIN/sge_shepherd
 execd_params ENABLE_ADDGRP_KILL=TRUE
