@@ -329,7 +329,8 @@ def test_enqueue_waits_for_the_daemon_and_a_real_training(harness, sample_inputs
         assert model.output_shape == (None, 64, 64, 1)
     record = harness.ledger(out["correlation_id"])
     assert record["state"] == "replied" and record["outcome"] == "ok" and record["scheduler"] == harness.cluster.name
-    assert harness.cluster.jobs_started(record["job_name"]) == [record["job_id"]]
+    # accounted once the job has ended, just after the worker's reply
+    wait_until(lambda: harness.cluster.jobs_started(record["job_name"]) == [record["job_id"]], 30, what="accounting")
 
 
 # --- training longer than one job ----------------------------------------------------------------

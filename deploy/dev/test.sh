@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it: set-up, lint, type-check, then pytest against the real
-# RabbitMQ, the real single-node Slurm and Grid Engine clusters and the Rodan stand-in. Extra arguments go to pytest.
+# RabbitMQ, the real single-node Slurm and Grid Engine clusters and the Rodan stand-in.
+# Extra arguments go to pytest. Tests run in HPC_TEST_WORKERS processes (pytest-xdist, default 2):
+# most of the suite's time is spent waiting on schedulers (time limits, requeues), not computing.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$repo"
@@ -10,4 +12,4 @@ echo "[test] ruff"
 echo "[test] mypy"
 .venv/bin/mypy
 echo "[test] pytest"
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "${HPC_TEST_WORKERS:-2}" --durations=20 "$@"
