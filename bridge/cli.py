@@ -66,12 +66,17 @@ def main(argv: list[str] | None = None) -> int:
     enq.add_argument("--timeout", type=float, default=None, help="give up waiting after this many seconds")
     enq.add_argument("--out", type=Path, help="write the decoded models here")
     _add_chain_parser(sub)
+    from bridge.ops import add_parsers
+
+    add_parsers(sub)  # status, doctor, logs, ... (bridge/ops/)
     args = parser.parse_args(argv)
 
     if args.command == "chain":  # no broker, no Rodan: no credentials.env either
         from bridge.chain import chain_command
 
         return chain_command(args)
+    if getattr(args, "loads_config", False):  # e.g. doctor: judges the configuration itself
+        return int(args.operator(args))
 
     try:
         config = load_config(args.credentials)
@@ -90,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         return bridge.check() if args.command == "check" else bridge.run()
     if args.command == "enqueue":
         return _enqueue(config, args)
+    if getattr(args, "operator", None) is not None:
+        return int(args.operator(config, args))
     parser.error(f"unknown command {args.command}")
     return 2
 
