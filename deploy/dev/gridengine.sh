@@ -80,44 +80,19 @@ RESTART_NEEDED=0  # host_aliases/act_qmaster changed while the daemons ran
 OUR_POLICY_RC=0   # we created policy-rc.d and must remove it
 WORK=""           # temporary directory for qconf files
 
-# --------------------------------------------------------------------------------------------
-# output helpers: one line per step, errors on stderr, non-zero exit with a clear message
-# --------------------------------------------------------------------------------------------
-elapsed() { awk -v a="$T0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }'; }
-say() { printf '[%s %5ss] %s\n' "$PROG" "$(elapsed)" "$*"; }
+# Output and process helpers (say, warn, die, is_alive, daemon_pid, wait_for, stop_daemon).
+# shellcheck source-path=SCRIPTDIR source=lib/daemons.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/daemons.sh"
 changed() {
   CHANGES=$((CHANGES + 1))
   say "$*"
 }
-warn() { printf '[%s] WARNING: %s\n' "$PROG" "$*" >&2; }
-die() {
-  printf '[%s] ERROR: %s\n' "$PROG" "$*" >&2
-  exit 1
-}
-on_err() { printf '[%s] ERROR: command failed (rc=%s) at line %s: %s\n' "$PROG" "$1" "$2" "$3" >&2; }
 cleanup() {
   if ((OUR_POLICY_RC)); then rm -f "$POLICY_RC"; fi
   if [[ -n $WORK ]]; then rm -rf "$WORK"; fi
 }
 trap 'on_err "$?" "$LINENO" "$BASH_COMMAND"' ERR
 trap cleanup EXIT
-
-# --------------------------------------------------------------------------------------------
-# process helpers
-# --------------------------------------------------------------------------------------------
-
-# is_alive PID COMM: true when PID exists, is not a zombie and runs COMM.
-# PID 1 here reaps orphans late, so a stopped sge_qmaster stays <defunct> for a while and
-# `kill -0` still succeeds; look at /proc/PID/status instead. Checking comm also guards against
-# a stale pidfile whose pid was reused by another process.
-is_alive() {
-  local pid=$1 comm=$2 state
-  [[ $pid =~ ^[0-9]+$ ]] || return 1
-  [[ -r /proc/$pid/status ]] || return 1
-  state=$(awk '/^State:/ { print $2; exit }' "/proc/$pid/status" 2>/dev/null) || return 1
-  [[ -n $state && $state != Z && $state != X ]] || return 1
-  [[ "$(cat "/proc/$pid/comm" 2>/dev/null)" == "$comm" ]]
-}
 
 # pidfile_of NAME: the daemon's pid file. execd's spool dir is named after the host's *raw*
 # name (here `localhost`, not `vm`), so it is found by glob.
@@ -132,60 +107,6 @@ pidfile_of() {
       echo "$SPOOL/execd/$HOST/execd.pid"
       ;;
   esac
-}
-
-# daemon_pid NAME: prints the pid of a live NAME daemon, or nothing (rc 1). The pid file first,
-# then a search by exact comm (a lost pid file must not lead to a second copy).
-daemon_pid() {
-  local name=$1 pidfile pid="" p
-  pidfile=$(pidfile_of "$name")
-  if [[ -r $pidfile ]]; then
-    pid=$(tr -dc '0-9' <"$pidfile" 2>/dev/null || true)
-    if is_alive "$pid" "$name"; then
-      echo "$pid"
-      return 0
-    fi
-  fi
-  for p in $(pgrep -x "$name" 2>/dev/null || true); do
-    if is_alive "$p" "$name"; then
-      echo "$p"
-      return 0
-    fi
-  done
-  return 1
-}
-
-# wait_for SECONDS CMD...: polls CMD every 0.1 s until it succeeds (rc 1 after SECONDS).
-wait_for() {
-  local deadline
-  deadline=$(($(date +%s) + $1))
-  shift
-  until "$@" >/dev/null 2>&1; do
-    (($(date +%s) < deadline)) || return 1
-    sleep 0.1
-  done
-}
-
-# stop_daemon NAME: SIGTERM, wait up to 30 s, then SIGKILL as a last resort.
-stop_daemon() {
-  local name=$1 pid pidfile i
-  if ! pid=$(daemon_pid "$name"); then
-    say "$name: not running"
-    return 0
-  fi
-  pidfile=$(pidfile_of "$name")
-  kill -TERM "$pid" 2>/dev/null || true
-  for ((i = 0; i < 300; i++)); do
-    is_alive "$pid" "$name" || break
-    sleep 0.1
-  done
-  if is_alive "$pid" "$name"; then
-    warn "$name (pid $pid) ignored SIGTERM for 30 s, sending SIGKILL"
-    kill -KILL "$pid" 2>/dev/null || true
-    sleep 0.5
-  fi
-  rm -f "$pidfile"
-  say "$name: stopped (pid $pid)"
 }
 
 # The real binaries (no wrapper), with SGE_ROOT/SGE_CELL from the environment above.

@@ -60,89 +60,11 @@ T0=$(date +%s.%N)
 CONFIG_CHANGED=0
 CGROUP_MODE=""
 
-# --------------------------------------------------------------------------------------------
-# output helpers: one line per step, errors on stderr, non-zero exit with a clear message
-# --------------------------------------------------------------------------------------------
-elapsed() { awk -v a="$T0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }'; }
-step() { printf '[%s %5ss] %s\n' "$PROG" "$(elapsed)" "$*"; }
-warn() { printf '[%s] WARNING: %s\n' "$PROG" "$*" >&2; }
-die() {
-  printf '[%s] ERROR: %s\n' "$PROG" "$*" >&2
-  exit 1
-}
-on_err() { printf '[%s] ERROR: command failed (rc=%s) at line %s: %s\n' "$PROG" "$1" "$2" "$3" >&2; }
+# Output and process helpers (say, warn, die, is_alive, daemon_pid, wait_for, stop_daemon).
+# shellcheck source-path=SCRIPTDIR source=lib/daemons.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/daemons.sh"
 trap 'on_err "$?" "$LINENO" "$BASH_COMMAND"' ERR
-
-# --------------------------------------------------------------------------------------------
-# process helpers
-# --------------------------------------------------------------------------------------------
-
-# is_alive PID COMM: true when PID exists, is not a zombie and runs COMM.
-# Gotcha 11: PID 1 here reaps late, so a killed daemon stays a zombie for a while and
-# `kill -0` still succeeds; look at /proc/PID/status instead. Checking comm also guards
-# against a stale pidfile whose pid was reused by another process.
-is_alive() {
-  local pid=$1 comm=$2 state
-  [[ $pid =~ ^[0-9]+$ ]] || return 1
-  [[ -r /proc/$pid/status ]] || return 1
-  state=$(awk '/^State:/ { print $2; exit }' "/proc/$pid/status" 2>/dev/null) || return 1
-  [[ -n $state && $state != Z && $state != X ]] || return 1
-  [[ "$(cat "/proc/$pid/comm" 2>/dev/null)" == "$comm" ]]
-}
-
-# daemon_pid NAME: prints the pid of a live NAME daemon, or nothing (rc 1).
-# The pidfile first; then a search by exact comm, in case the pidfile was lost
-# (so we never start a second copy next to a running one).
-daemon_pid() {
-  local name=$1 pid="" p
-  if [[ -r ${PIDFILE[$name]} ]]; then
-    pid=$(tr -dc '0-9' <"${PIDFILE[$name]}" 2>/dev/null || true)
-    if is_alive "$pid" "$name"; then
-      echo "$pid"
-      return 0
-    fi
-  fi
-  for p in $(pgrep -x "$name" 2>/dev/null || true); do
-    if is_alive "$p" "$name"; then
-      echo "$p"
-      return 0
-    fi
-  done
-  return 1
-}
-
-# wait_for SECONDS CMD...: polls CMD every 0.1 s until it succeeds (rc 1 after SECONDS).
-wait_for() {
-  local deadline
-  deadline=$(($(date +%s) + $1))
-  shift
-  until "$@" >/dev/null 2>&1; do
-    (($(date +%s) < deadline)) || return 1
-    sleep 0.1
-  done
-}
-
-# stop_daemon NAME: SIGTERM, wait up to 20 s, then SIGKILL as a last resort.
-# SIGTERM (not SIGKILL) lets slurmctld save its state (gotcha 14).
-stop_daemon() {
-  local name=$1 pid i
-  if ! pid=$(daemon_pid "$name"); then
-    step "$name: not running"
-    return 0
-  fi
-  kill -TERM "$pid" 2>/dev/null || true
-  for ((i = 0; i < 200; i++)); do
-    is_alive "$pid" "$name" || break
-    sleep 0.1
-  done
-  if is_alive "$pid" "$name"; then
-    warn "$name (pid $pid) ignored SIGTERM for 20 s, sending SIGKILL"
-    kill -KILL "$pid" 2>/dev/null || true
-    sleep 0.5
-  fi
-  rm -f "${PIDFILE[$name]}"
-  step "$name: stopped (pid $pid)"
-}
+pidfile_of() { echo "${PIDFILE[$1]}"; }
 
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
@@ -155,10 +77,10 @@ install_packages() {
   local missing=() p
   for p in "$@"; do pkg_installed "$p" || missing+=("$p"); done
   if ((${#missing[@]} == 0)); then
-    step "packages: already installed ($*)"
+    say "packages: already installed ($*)"
     return 0
   fi
-  step "packages: installing ${missing[*]} (apt-get update + install)"
+  say "packages: installing ${missing[*]} (apt-get update + install)"
   # apt's chatter (and debconf's "delaying package configuration") goes to a log, shown on failure.
   apt-get update >"$APT_LOG" 2>&1 || die "apt-get update failed: $(tail -5 "$APT_LOG")"
   # Gotcha 1: policy-rc.d forbids the postinst scripts from starting the services; that is
@@ -166,7 +88,7 @@ install_packages() {
   # and the MariaDB datadir.
   DEBIAN_FRONTEND=noninteractive apt-get install -y "$@" >>"$APT_LOG" 2>&1 \
     || die "apt-get install $* failed (full log: $APT_LOG): $(tail -5 "$APT_LOG")"
-  step "packages: installed ${missing[*]}"
+  say "packages: installed ${missing[*]}"
 }
 
 # --------------------------------------------------------------------------------------------
@@ -187,7 +109,7 @@ write_if_changed() {
   chmod "$mode" "$tmp"
   mv -f "$tmp" "$path"
   CONFIG_CHANGED=1
-  step "config: wrote $path"
+  say "config: wrote $path"
 }
 
 # Which cgroup plugin enforces memory limits here?
@@ -359,7 +281,7 @@ StorageUser=$DB_USER
 StoragePass=$DB_PASS
 StorageLoc=$DB_NAME"
 
-  step "config: $ETC (node $node, ${CPUS} CPUs, ${MEM_MB} MB, ${GPUS} GPUs, cgroup mode $CGROUP_MODE)"
+  say "config: $ETC (node $node, ${CPUS} CPUs, ${MEM_MB} MB, ${GPUS} GPUs, cgroup mode $CGROUP_MODE)"
 }
 
 # --------------------------------------------------------------------------------------------
@@ -368,7 +290,7 @@ StorageLoc=$DB_NAME"
 start_munged() {
   local pid
   if pid=$(daemon_pid munged); then
-    step "munged: running (pid $pid)"
+    say "munged: running (pid $pid)"
     return 0
   fi
   # Gotcha 2: /run is a tmpfs and nothing (no systemd-tmpfiles) recreates /run/munge.
@@ -379,12 +301,12 @@ start_munged() {
     mungekey --create --keyfile=/etc/munge/munge.key
     chown munge:munge /etc/munge/munge.key
     chmod 0400 /etc/munge/munge.key
-    step "munged: created /etc/munge/munge.key"
+    say "munged: created /etc/munge/munge.key"
   fi
   rm -f /run/munge/munged.pid
   runuser -u munge -- /usr/sbin/munged || die "munged failed to start (see /var/log/munge/munged.log)"
   wait_for 10 munge -n || die "munged does not answer (see /var/log/munge/munged.log)"
-  step "munged: started (pid $(daemon_pid munged))"
+  say "munged: started (pid $(daemon_pid munged))"
 }
 
 mysql_ok() { mysqladmin --connect-timeout=2 ping; }
@@ -393,19 +315,19 @@ mysql_ok() { mysqladmin --connect-timeout=2 ping; }
 # reuse it, and never stop it in `down`. Install/start it only when it is absent.
 ensure_mariadb() {
   if mysql_ok >/dev/null 2>&1; then
-    step "mariadb: running (reused)"
+    say "mariadb: running (reused)"
   else
     pkg_installed mariadb-server || install_packages mariadb-server
     # Gotcha 2 again: /run/mysqld is missing after a reboot of the tmpfs.
     install -d -o mysql -g root -m 0755 /run/mysqld
     if [[ ! -d /var/lib/mysql/mysql ]]; then
       mariadb-install-db --user=mysql --datadir=/var/lib/mysql >/dev/null
-      step "mariadb: initialised /var/lib/mysql"
+      say "mariadb: initialised /var/lib/mysql"
     fi
     setsid /usr/sbin/mariadbd --user=mysql --pid-file=/run/mysqld/mysqld.pid \
       >>/var/log/mariadbd.log 2>&1 </dev/null &
     wait_for 30 mysql_ok || die "mariadbd did not start (see /var/log/mariadbd.log)"
-    step "mariadb: started"
+    say "mariadb: started"
   fi
   # Root over the unix socket with an empty password (the Debian default). Idempotent.
   mysql -e "CREATE DATABASE IF NOT EXISTS $DB_NAME;
@@ -413,19 +335,19 @@ CREATE USER IF NOT EXISTS '$DB_USER'@'localhost' IDENTIFIED BY '$DB_PASS';
 ALTER USER '$DB_USER'@'localhost' IDENTIFIED BY '$DB_PASS';
 GRANT ALL ON $DB_NAME.* TO '$DB_USER'@'localhost';" \
     || die "cannot create the accounting database (is 'mysql' as root over the socket allowed?)"
-  step "mariadb: database $DB_NAME and user $DB_USER ready"
+  say "mariadb: database $DB_NAME and user $DB_USER ready"
 }
 
 start_slurmdbd() {
   local pid
   if pid=$(daemon_pid slurmdbd); then
-    step "slurmdbd: running (pid $pid)"
+    say "slurmdbd: running (pid $pid)"
     return 0
   fi
   /usr/sbin/slurmdbd || die "slurmdbd failed to start (see $LOG_DIR/slurmdbd.log)"
   wait_for 30 port_open 6819 \
     || die "slurmdbd does not listen on 6819 (see $LOG_DIR/slurmdbd.log)"
-  step "slurmdbd: started (pid $(daemon_pid slurmdbd))"
+  say "slurmdbd: started (pid $(daemon_pid slurmdbd))"
 }
 
 # `sacctmgr -i add cluster` once (gotcha 8): slurmctld must find its cluster in slurmdbd.
@@ -434,11 +356,11 @@ ensure_cluster() {
   clusters=$(timeout 20 sacctmgr -n -P show cluster format=cluster 2>&1) \
     || die "sacctmgr cannot talk to slurmdbd: $clusters"
   if grep -qx "$CLUSTER" <<<"$clusters"; then
-    step "accounting: cluster $CLUSTER registered"
+    say "accounting: cluster $CLUSTER registered"
     return 0
   fi
   timeout 20 sacctmgr -i add cluster "$CLUSTER" >/dev/null || die "sacctmgr add cluster $CLUSTER failed"
-  step "accounting: cluster $CLUSTER added"
+  say "accounting: cluster $CLUSTER added"
 }
 
 ctld_up() { scontrol ping 2>/dev/null | grep -q 'is UP'; }
@@ -446,23 +368,23 @@ ctld_up() { scontrol ping 2>/dev/null | grep -q 'is UP'; }
 start_slurmctld() {
   local pid
   if pid=$(daemon_pid slurmctld); then
-    step "slurmctld: running (pid $pid)"
+    say "slurmctld: running (pid $pid)"
     return 0
   fi
   /usr/sbin/slurmctld || die "slurmctld failed to start (see $LOG_DIR/slurmctld.log)"
   wait_for 30 ctld_up || die "slurmctld does not answer 'scontrol ping' (see $LOG_DIR/slurmctld.log)"
-  step "slurmctld: started (pid $(daemon_pid slurmctld))"
+  say "slurmctld: started (pid $(daemon_pid slurmctld))"
 }
 
 start_slurmd() {
   local pid
   if pid=$(daemon_pid slurmd); then
-    step "slurmd: running (pid $pid)"
+    say "slurmd: running (pid $pid)"
     return 0
   fi
   /usr/sbin/slurmd || die "slurmd failed to start (see $LOG_DIR/slurmd.log)"
   wait_for 10 daemon_pid slurmd || die "slurmd died at start (see $LOG_DIR/slurmd.log)"
-  step "slurmd: started (pid $(daemon_pid slurmd))"
+  say "slurmd: started (pid $(daemon_pid slurmd))"
 }
 
 # Gotcha 10: after a slurmctld (re)start the node shows `idle` from saved state, but jobs only
@@ -473,7 +395,7 @@ probe() {
     die "readiness probe 'srun -t 1 true' failed within ${PROBE_S}s: ${out:-timeout}
        see $LOG_DIR/slurmctld.log and $LOG_DIR/slurmd.log; 'sinfo -R' says: $(sinfo -h -R 2>&1 | head -3)"
   fi
-  step "probe: srun -t 1 true OK"
+  say "probe: srun -t 1 true OK"
 }
 
 # --------------------------------------------------------------------------------------------
@@ -505,10 +427,10 @@ cmd_up() {
     local any=0 d
     for d in slurmd slurmctld slurmdbd; do daemon_pid "$d" >/dev/null && any=1; done
     if ((any)); then
-      step "config changed: restarting the slurm daemons"
-      stop_daemon slurmd
-      stop_daemon slurmctld
-      stop_daemon slurmdbd
+      say "config changed: restarting the slurm daemons"
+      stop_daemon slurmd 20
+      stop_daemon slurmctld 20
+      stop_daemon slurmdbd 20
     fi
   fi
   start_munged
@@ -518,17 +440,17 @@ cmd_up() {
   start_slurmctld
   start_slurmd
   probe
-  step "up: cluster $CLUSTER ready"
+  say "up: cluster $CLUSTER ready"
 }
 
 cmd_down() {
   # Reverse start order. MariaDB is never stopped: it usually ran before us and other
   # things may use it.
-  stop_daemon slurmd
-  stop_daemon slurmctld
-  stop_daemon slurmdbd
-  stop_daemon munged
-  step "down: done (mariadb left running)"
+  stop_daemon slurmd 20
+  stop_daemon slurmctld 20
+  stop_daemon slurmdbd 20
+  stop_daemon munged 20
+  say "down: done (mariadb left running)"
 }
 
 cmd_status() {
