@@ -74,6 +74,7 @@ class BridgeConfig:
     training_seed: int | None = None  # one seed for every training (reproducible runs); default: one per request
     log_file: Path | None = None
     log_level: str = "INFO"
+    metrics_file: Path | None = None  # Prometheus text-format metrics, rewritten after every pass
     credentials_file: Path | None = None
 
     @property
@@ -173,6 +174,7 @@ def load_config(credentials: Path | None = None, environ: Mapping[str, str] | No
             "cluster's login PATH (Grid Engine resets it), not yours"
         )
     log_file = get.text("HPC_LOG_FILE", "")
+    metrics_file = get.text("HPC_METRICS_FILE", "")
     return BridgeConfig(
         broker_url=broker_url_from(raw),
         rodan_scheme=scheme,
@@ -214,6 +216,7 @@ def load_config(credentials: Path | None = None, environ: Mapping[str, str] | No
         training_seed=get.optional_integer("HPC_TRAINING_SEED", minimum=0),
         log_file=Path(log_file).expanduser() if log_file else None,
         log_level=get.text("HPC_LOG_LEVEL", "INFO"),
+        metrics_file=Path(metrics_file).expanduser() if metrics_file else None,
         credentials_file=Path(raw["HPC_BRIDGE_CREDENTIALS"]) if raw.get("HPC_BRIDGE_CREDENTIALS") else None,
     )
 

@@ -103,3 +103,28 @@ class Ledger:
 
     def in_state(self, *states: RequestState) -> list[RequestRecord]:
         return [r for r in self.all() if r.state in states]
+
+
+def reopen_for_requeue(record: RequestRecord) -> RequestRecord:
+    """The transition ``hpc-bridge requeue-dead`` makes: a dead-lettered request becomes new again.
+
+    ``Intake`` treats a REJECTED record as a duplicate once it was dead-lettered, and a SUBMITTED or
+    REPLIED one as done, so a request put back on the queue is only processed afresh from RECEIVED.
+    Attempts start again from 0 (so ``HPC_MAX_ATTEMPTS`` applies anew), and the outcome, reason and
+    job fields of the previous try are cleared; ``created_at`` is kept. Save it with ``Ledger.save``.
+    """
+    record.state = RequestState.RECEIVED
+    record.attempts = 0
+    record.outcome = ""
+    record.reason = ""
+    record.job_id = ""
+    record.job_ids = []
+    record.job_name = ""
+    record.job_state = ""
+    record.job_ended = False
+    record.continuations = 0
+    record.submitted_at = 0.0
+    record.replied_at = 0.0
+    record.missing_since = 0.0
+    record.dead_lettered = False
+    return record

@@ -95,6 +95,8 @@ class Bridge:
         self._connection: pika.BlockingConnection | None = None
         self._channel: BlockingChannel | None = None
         self._deferred: list[_Deferred] = []
+        self.reconciliations = 0  # counted for the metrics file (HPC_METRICS_FILE)
+        self.broker_reconnects = 0
 
     # --- signals: the handler only sets a flag --------------------------------
     def install_signal_handlers(self) -> None:
@@ -155,6 +157,7 @@ class Bridge:
                             next_reconcile = time.monotonic() + self.config.reconcile_interval_s
                         self._sleep(self.config.poll_interval_s)
                 except RECOVERABLE as exc:
+                    self.broker_reconnects += 1
                     log.warning("broker_lost", error=f"{type(exc).__name__}: {exc}", retry_in_s=backoff)
                     self._close()
                     self._deferred.clear()  # unacked deliveries went back to the queue with the channel
@@ -172,12 +175,32 @@ class Bridge:
         self._release_deferred(force=drain_all)
         if reconcile:
             stats.judged = self._blocking(self.reconciler.reconcile)
+            self.reconciliations += 1
         stats.replies_sent += self._flush()
         if stats.replies_sent:
             # Only our own publications need settling now; replies the workers sent are
             # settled by reconcile() on its interval (settle reads the whole ledger).
             self.reconciler.settle()
+        if reconcile:
+            self.write_metrics()
         return stats
+
+    def write_metrics(self) -> None:
+        """Rewrite HPC_METRICS_FILE, when set (a failure is logged, never fatal)."""
+        if self.config.metrics_file is None:
+            return
+        from bridge.ops.metrics import outbox_size, write_metrics
+
+        try:
+            write_metrics(
+                self.config.metrics_file,
+                self.ledger.all(),
+                outbox=outbox_size(self.spool),
+                reconciliations=self.reconciliations,
+                broker_reconnects=self.broker_reconnects,
+            )
+        except OSError as exc:
+            log.warning("metrics_write_failed", path=str(self.config.metrics_file), error=str(exc))
 
     def _drain(self, stats: PassStats) -> None:
         channel = self._require_channel()
@@ -312,7 +335,8 @@ class Bridge:
         """Broker down: still watch jobs so error replies are staged for the next pass."""
         try:
             judged = self.reconciler.reconcile()
+            self.reconciliations += 1
+            self.write_metrics()
             log.info("offline_reconcile", judged=judged, staged=len(self.replies.staged()))
         except Exception as exc:
             log.warning("offline_reconcile_failed", error=str(exc))
-

@@ -1,0 +1,579 @@
+"""``hpc-bridge doctor``: check a deployment end to end and say what to fix.
+
+Every check is independent and prints one line: ``ok``, ``FAIL`` or ``warn``, what it found and,
+when something is wrong, what to change. A check whose premise failed (no configuration, no
+broker) says ``skip`` and why. Exit 0 only when no check failed (warnings allowed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import stat
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import pika
+import pika.exceptions
+from dotenv import dotenv_values
+
+from bridge.amqp import CONNECTION_ERRORS, connection_parameters, describe_url
+from bridge.config import DEFAULT_CREDENTIALS, BridgeConfig, load_config
+from bridge.errors import ConfigError, PermanentError, RodanAuthError, SchedulerUnavailable, TransientError
+from bridge.logs import configure_logging, register_secret
+from bridge.protocol import TrainingSettings
+from bridge.rodan import RodanClient
+from bridge.schedulers import JobSpec, get_scheduler
+from bridge.schedulers.base import scrubbed_environment
+from bridge.shell import CommandError, CommandNotFound, CommandTimeout, run_command
+from bridge.spool import fsync_dir
+
+EPILOG = """Each line: ok / FAIL / warn / skip, the check, what was found and what to fix.
+Exit status 0 when no check failed (warnings allowed), 1 otherwise.
+
+examples:
+  hpc-bridge doctor                                   # after installing, or when requests go unanswered
+  hpc-bridge --credentials ~/hpc-bridge/credentials.env doctor --json | jq '.checks[] | select(.status=="FAIL")'
+"""
+
+#: The scheduler commands the bridge runs, per backend.
+SCHEDULER_COMMANDS: dict[str, tuple[str, ...]] = {
+    "slurm": ("sbatch", "squeue", "sacct", "scancel", "scontrol"),
+    "gridengine": ("qsub", "qstat", "qacct", "qdel"),
+}
+#: Filesystems that compute nodes share; anything else is local to this machine unless exported.
+SHARED_FS = frozenset(
+    {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cephfs", "ceph", "glusterfs", "fuse.glusterfs", "panfs", "wekafs"}
+)
+NODE_LOCAL_FS = frozenset({"tmpfs", "ramfs", "devtmpfs"})
+NODE_LOCAL_DIRS = (Path("/tmp"), Path("/var/tmp"), Path("/dev/shm"))  # noqa: S108 - judged, never written to
+_INEQUIVALENT = re.compile(
+    r"inequivalent arg '(?P<arg>[^']+)'.*?: received (?P<ours>.+?) but current is (?P<theirs>.+)$"
+)
+WORKER_PROBE = (
+    "import worker.trainer, tensorflow as tf; print(tf.__version__, len(tf.config.list_physical_devices('GPU')))"
+)
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # "ok", "FAIL", "warn" or "skip"
+    found: str
+    fix: str = ""
+
+    def line(self) -> str:
+        return f"{self.status:<4} {self.name}: {self.found}" + (f": {self.fix}" if self.fix else "")
+
+
+def ok(name: str, found: str) -> Check:
+    return Check(name, "ok", found)
+
+
+def fail(name: str, found: str, fix: str) -> Check:
+    return Check(name, "FAIL", found, fix)
+
+
+def warn(name: str, found: str, fix: str = "") -> Check:
+    return Check(name, "warn", found, fix)
+
+
+def skip(name: str, why: str) -> Check:
+    return Check(name, "skip", f"skipped: {why}")
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "doctor",
+        help="check the deployment (credentials, broker, queues, Rodan, scheduler, spool, template, worker)",
+        description="Check every part of a deployment and say, for each problem, what to fix.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    p.add_argument(
+        "--skip-worker", action="store_true", help="do not import the worker environment (TensorFlow: seconds)"
+    )
+    p.set_defaults(operator=run, loads_config=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging(level="ERROR", component="doctor")  # the findings are the output, not log events
+    checks = diagnose(args.credentials, skip_worker=args.skip_worker)
+    failed = any(c.status == "FAIL" for c in checks)
+    if args.json:
+        print(json.dumps({"ok": not failed, "checks": [asdict(c) for c in checks]}, indent=1))
+    else:
+        for check in checks:
+            print(check.line())
+        print(f"{sum(c.status == 'FAIL' for c in checks)} failed, {sum(c.status == 'warn' for c in checks)} warnings")
+    return 1 if failed else 0
+
+
+def diagnose(
+    credentials: Path | None, *, skip_worker: bool = False, environ: Mapping[str, str] | None = None
+) -> list[Check]:
+    env = dict(os.environ if environ is None else environ)
+    checks: list[Check] = []
+    path = _credentials_path(credentials, env)
+    checks.append(check_credentials_file(path))
+    config, check = check_settings(path, env)
+    checks.append(check)
+    if config is None:
+        why = "the configuration did not load"
+        for name in ("broker", "queues", "rodan", "scheduler-commands", "scheduler", "spool", "spool-shared"):
+            checks.append(skip(name, why))
+        checks.append(skip("template", why))
+        checks.append(skip("worker", why))
+        return checks
+    for secret in config.secrets:
+        register_secret(secret)
+    broker = check_broker(config)
+    checks.append(broker)
+    checks.extend(
+        check_queues(config) if broker.status == "ok" else [skip("queues", "no broker connection (see broker)")]
+    )
+    checks.append(check_rodan(config))
+    checks.extend(check_scheduler(config))
+    checks.extend(check_spool(config.spool_dir))
+    checks.append(check_template(config))
+    checks.append(skip("worker", "--skip-worker") if skip_worker else check_worker(config))
+    return checks
+
+
+# --- 1. credentials ----------------------------------------------------------------------------
+
+
+def _credentials_path(credentials: Path | None, env: Mapping[str, str]) -> Path | None:
+    if credentials is not None:
+        return credentials
+    if env.get("HPC_BRIDGE_CREDENTIALS"):
+        return Path(env["HPC_BRIDGE_CREDENTIALS"])
+    return DEFAULT_CREDENTIALS if DEFAULT_CREDENTIALS.exists() else None
+
+
+def check_credentials_file(path: Path | None) -> Check:
+    name = "credentials"
+    if path is None:
+        return warn(name, "no credentials file (settings from the environment only)", "")
+    if not path.exists():
+        return fail(name, f"{path} does not exist", "create it from credentials.env.example, or pass --credentials")
+    if not path.is_file():
+        return fail(name, f"{path} is not a file", "point --credentials or HPC_BRIDGE_CREDENTIALS at the file")
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        return fail(
+            name, f"{path} has mode {mode:o}: group or others can read the passwords in it", f"chmod 600 {path}"
+        )
+    if not os.access(path, os.R_OK):
+        return fail(name, f"{path} is not readable by this user", "chown it to the user the bridge runs as")
+    return ok(name, f"{path} (mode {mode:o})")
+
+
+def check_settings(path: Path | None, env: Mapping[str, str]) -> tuple[BridgeConfig | None, Check]:
+    name = "settings"
+    try:
+        return load_config(path, env), ok(name, "every setting is valid")
+    except ConfigError as exc:
+        message = str(exc)
+    if path is not None and path.is_file() and "readable by others" in message:
+        # Judge the settings anyway (the file's mode is its own check): file values, environment on top.
+        values = {k: v for k, v in dotenv_values(path, interpolate=False).items() if v is not None}
+        values.update({k: v for k, v in env.items() if k.startswith(("RABBITMQ_", "RODAN_", "HPC_"))})
+        values.pop("HPC_BRIDGE_CREDENTIALS", None)
+        try:
+            return load_config(None, values), ok(name, "every setting is valid (the file's mode aside)")
+        except ConfigError as exc:
+            message = str(exc)
+    return None, fail(name, message, "fix that setting in the credentials file or the environment")
+
+
+# --- 2. broker and 3. queues -------------------------------------------------------------------
+
+
+def _user(url: str) -> str:
+    return pika.URLParameters(url).credentials.username  # type: ignore[no-any-return]
+
+
+def check_broker(config: BridgeConfig) -> Check:
+    name = "broker"
+    url = config.broker_url
+    where = describe_url(url)
+    try:
+        connection = _connect(config)
+    except pika.exceptions.ProbableAuthenticationError:
+        return fail(
+            name,
+            f"login refused for user {_user(url)!r} at {where} (ACCESS_REFUSED)",
+            "check RABBITMQ_PASSWORD and RABBITMQ_USER (or the user:password in RABBITMQ_URL)",
+        )
+    except pika.exceptions.ProbableAccessDeniedError as exc:
+        return fail(
+            name,
+            f"user {_user(url)!r} may not use the virtual host at {where} ({_closed_text(exc)})",
+            "check RABBITMQ_VHOST (or the path of RABBITMQ_URL) and the user's permissions "
+            "(rabbitmqctl set_permissions)",
+        )
+    except OSError as exc:  # ssl.SSLError, certificate errors, a refused or unreachable socket
+        return _connection_failure(name, url, where, exc)
+    except pika.exceptions.AMQPConnectionError as exc:
+        return _connection_failure(name, url, where, exc)
+    server = connection._impl.server_properties or {}  # pika keeps them on the connection implementation
+    version = server.get("version", b"")
+    connection.close()
+    text = version.decode() if isinstance(version, bytes) else str(version)
+    tls = " over TLS" if url.startswith("amqps:") else ""
+    return ok(name, f"logged in as {_user(url)!r} at {where}{tls} (RabbitMQ {text or 'unknown version'})")
+
+
+def _connect(config: BridgeConfig) -> pika.BlockingConnection:
+    params = connection_parameters(
+        config.broker_url, heartbeat=config.broker_heartbeat_s, ca_file=config.broker_ca_file, name="hpc-bridge-doctor"
+    )
+    return pika.BlockingConnection(params)
+
+
+def _closed_text(exc: BaseException) -> str:
+    text = " ".join(str(a) for a in exc.args)
+    match = re.search(r"'([A-Z_]+ - [^']*)'", text)
+    return match.group(1) if match else text[:200]
+
+
+def _connection_failure(name: str, url: str, where: str, exc: BaseException) -> Check:
+    text = f"{type(exc).__name__}: {exc}"
+    if "SSL" in text or "CERTIFICATE" in text.upper():
+        if "WRONG_VERSION_NUMBER" in text or "record layer failure" in text:
+            return fail(
+                name,
+                f"TLS handshake with {where} failed ({_short(text)}): the port does not speak TLS",
+                "use amqp:// for a plain port (5672) or the TLS port (5671) for amqps:// (RABBITMQ_URL/RABBITMQ_PORT)",
+            )
+        return fail(
+            name,
+            f"TLS handshake with {where} failed ({_short(text)})",
+            "set RABBITMQ_CA_FILE to the CA that signed the broker's certificate, and check the host name matches it",
+        )
+    tls_hint = " (or amqps:// if the broker only takes TLS)" if url.startswith("amqp:") else ""
+    return fail(
+        name,
+        f"broker unreachable at {where} ({_short(text)})",
+        f"check RABBITMQ_HOST and RABBITMQ_PORT (or RABBITMQ_URL){tls_hint}, and that RabbitMQ runs there",
+    )
+
+
+def _short(text: str) -> str:
+    return text.replace("\n", " ")[:200]
+
+
+def check_queues(config: BridgeConfig) -> list[Check]:
+    expected: list[tuple[str, bool, str]] = [
+        (config.request_queue, False, "Rodan declares it with queue_declare(name): durable=False, no x-arguments"),
+        (config.reply_queue, False, "Rodan declares it with queue_declare(name): durable=False, no x-arguments"),
+        (config.dead_letter_queue, True, "the bridge declares it durable=True, no x-arguments"),
+    ]
+    try:
+        connection = _connect(config)
+    except (pika.exceptions.AMQPError, *CONNECTION_ERRORS) as exc:
+        return [skip("queues", f"the broker went away ({type(exc).__name__})")]
+    try:
+        return [_check_queue(connection, queue, durable, how) for queue, durable, how in expected]
+    finally:
+        if connection.is_open:
+            connection.close()
+
+
+def _check_queue(connection: pika.BlockingConnection, queue: str, durable: bool, how: str) -> Check:
+    name = f"queue {queue}"
+    channel = connection.channel()
+    try:
+        depth = int(channel.queue_declare(queue, passive=True).method.message_count)
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        if exc.reply_code == 404:
+            return ok(name, "not declared yet (declared on first use, as expected)")
+        if exc.reply_code == 405:
+            return fail(
+                name,
+                f"declared exclusive by another connection ({exc.reply_text})",
+                "stop whatever holds it; Rodan and the bridge need it non-exclusive",
+            )
+        return fail(name, f"passive declare refused: {exc.reply_text}", "check the user's configure permissions")
+    if channel.is_open:
+        channel.close()
+    channel = connection.channel()  # a throw-away channel: a mismatch closes it
+    try:
+        channel.queue_declare(queue, durable=durable, exclusive=False, auto_delete=False, arguments=None)
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        text = str(exc.reply_text)
+        if exc.reply_code == 405:
+            return fail(name, f"exclusive to another connection ({text})", "stop whatever holds it exclusively")
+        match = _INEQUIVALENT.search(text)
+        if exc.reply_code == 406 and match:
+            arg, ours, theirs = match["arg"], match["ours"], match["theirs"]
+            return fail(
+                name,
+                f"declared with {arg} = {theirs} but {how} (expects {ours}): declaring it fails with "
+                "406 PRECONDITION_FAILED",
+                f"when it is empty, delete it (rabbitmqctl delete_queue {queue}) so it is declared again correctly",
+            )
+        return fail(name, f"declare refused ({exc.reply_code} {text})", "check the queue's declaration and permissions")
+    finally:
+        if channel.is_open:
+            channel.close()
+    return ok(name, f"declared as expected, {depth} message(s) waiting")
+
+
+# --- 4. Rodan ----------------------------------------------------------------------------------
+
+
+def check_rodan(config: BridgeConfig) -> Check:
+    name = "rodan"
+    client = RodanClient(
+        config.rodan_base_url,
+        user=config.rodan_user,
+        email=config.rodan_email,
+        password=config.rodan_password,
+        timeout_s=min(config.rodan_timeout_s, 15.0),
+        retries=0,
+    )
+    who = config.rodan_email or config.rodan_user
+    base = config.rodan_base_url
+    try:
+        client.get_token()
+    except RodanAuthError as exc:
+        text = str(exc).split(";")[0]
+        generation = _generation_from(text)
+        if "Invalid username" in text:
+            fix = (
+                "this Rodan (<= 2.0.14) logs in by user name: set RODAN_USER to the account's user name "
+                "(and RODAN_EMAIL to its e-mail), and check RODAN_PASSWORD"
+            )
+        elif "not activated" in text:
+            fix = "activate the account in Rodan's admin, or use another with RODAN_USER/RODAN_PASSWORD"
+        else:
+            fix = "check RODAN_PASSWORD and RODAN_USER (the account's e-mail for Rodan >= 2.0.15)"
+        return fail(name, f"{text} at {base}{generation}", fix)
+    except TransientError as exc:
+        return fail(
+            name,
+            f"{exc}",
+            "check RODAN_HOST (host[:port]) and RODAN_SCHEME (http or https), and that Rodan runs there",
+        )
+    except PermanentError as exc:
+        return fail(
+            name,
+            f"{exc} (POST {base}/api/auth/token/)",
+            "check RODAN_HOST and RODAN_SCHEME point at Rodan itself (its API answers under /api/)",
+        )
+    finally:
+        client.session.close()
+    return ok(name, f"token issued to {who!r} by {base} (sent both the username and the email field)")
+
+
+def _generation_from(text: str) -> str:
+    if "Invalid email" in text or "supply an email" in text:
+        return "; the server logs in by e-mail (Rodan >= 2.0.15)"
+    if "Invalid username" in text or "supply a username" in text:
+        return "; the server logs in by user name (Rodan <= 2.0.14)"
+    return ""
+
+
+# --- 5. scheduler ------------------------------------------------------------------------------
+
+
+def check_scheduler(config: BridgeConfig) -> list[Check]:
+    wanted = SCHEDULER_COMMANDS[config.scheduler]
+    missing = [c for c in wanted if shutil.which(c) is None]
+    scheduler = get_scheduler(config.scheduler, timeout_s=config.scheduler_timeout_s, options=config.scheduler_options)
+    label = scheduler.display_name
+    if missing:
+        commands = fail(
+            "scheduler-commands",
+            f"{', '.join(missing)} not on PATH ({label})",
+            f"load the {label} module or add its bin directory to PATH in the cron/systemd environment"
+            + ("" if config.scheduler == "gridengine" else ", or set HPC_SCHEDULER=gridengine"),
+        )
+    else:
+        commands = ok("scheduler-commands", f"{', '.join(wanted)} found ({shutil.which(wanted[0])})")
+    try:
+        answer = scheduler.ping()
+    except SchedulerUnavailable as exc:
+        controller = "slurmctld" if config.scheduler == "slurm" else "sge_qmaster"
+        return [
+            commands,
+            fail(
+                "scheduler",
+                f"{label} is not answering: {exc}",
+                f"check that {controller} runs and this node reaches it; if it is only slow, raise "
+                f"HPC_SCHEDULER_TIMEOUT (now {config.scheduler_timeout_s:g} s)",
+            ),
+        ]
+    return [commands, ok("scheduler", f"{label} answers: {scheduler.clean(answer)}")]
+
+
+# --- 6. spool ----------------------------------------------------------------------------------
+
+
+def check_spool(spool: Path) -> list[Check]:
+    name = "spool"
+    existing = spool
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    result: Check
+    if spool.exists() and not spool.is_dir():
+        result = fail(name, f"{spool} exists but is not a directory", "move it away or set HPC_SPOOL_DIR elsewhere")
+    elif not spool.exists():
+        if not existing.is_dir():
+            result = fail(name, f"{spool} cannot be created: {existing} is not a directory", "set HPC_SPOOL_DIR")
+        elif not os.access(existing, os.W_OK | os.X_OK):
+            result = fail(
+                name,
+                f"{spool} does not exist and {existing} is not writable, so it cannot be created",
+                f"create it (mkdir -m 700 -p {spool}) as a user who may, or set HPC_SPOOL_DIR elsewhere",
+            )
+        else:
+            result = ok(name, f"{spool} does not exist yet; it will be created (0700) on the first run")
+    else:
+        result = _probe_spool(spool)
+    if result.status == "FAIL" and not spool.is_dir():
+        return [result, skip("spool-shared", "no spool directory (see spool)")]
+    return [result, _check_shared(spool, existing)]
+
+
+def _probe_spool(spool: Path) -> Check:
+    name = "spool"
+    probe = spool / f".doctor-{uuid.uuid4().hex}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, b"hpc-bridge doctor\n")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        probe.unlink()
+        fsync_dir(spool)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            probe.unlink()
+        return fail(
+            name,
+            f"{spool} is not writable ({exc.strerror or exc})",
+            f"make it writable by this user (chown/chmod 700 {spool}) or set HPC_SPOOL_DIR elsewhere",
+        )
+    mode = stat.S_IMODE(spool.stat().st_mode)
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        return fail(
+            name,
+            f"{spool} has mode {mode:o}: others may read job parameters (they hold Rodan tokens)",
+            f"chmod 700 {spool}",
+        )
+    return ok(name, f"{spool} writable (write, fsync, delete) and private (mode {mode:o})")
+
+
+def _mount_of(path: Path) -> tuple[str, str]:
+    """(mount point, filesystem type) of ``path``, from /proc/mounts; ("", "") when unknown."""
+    resolved = str(path.resolve())
+    best = ("", "")
+    try:
+        lines = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return best
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = resolved == point or resolved.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best[0]):
+            best = (point, fields[2])
+    return best
+
+
+def _check_shared(spool: Path, existing: Path) -> Check:
+    name = "spool-shared"
+    point, fstype = _mount_of(existing)
+    resolved = existing.resolve()
+    fix = "set HPC_SPOOL_DIR to a directory on storage the compute nodes mount (e.g. NFS, Lustre, GPFS home/project)"
+    if fstype in NODE_LOCAL_FS or any(resolved == d or d in resolved.parents for d in NODE_LOCAL_DIRS):
+        return warn(name, f"{spool} is on node-local storage ({fstype or 'unknown'} at {point or '?'})", fix)
+    if fstype in SHARED_FS or fstype.startswith("nfs"):
+        return ok(name, f"{spool} is on {fstype} ({point}), shared with the compute nodes")
+    return warn(
+        name,
+        f"{spool} is on {fstype or 'an unknown filesystem'} ({point or '?'}): local to this machine unless exported",
+        f"make sure the compute nodes see it at the same path, or {fix[0].lower()}{fix[1:]}",
+    )
+
+
+# --- 7. template and 8. worker -----------------------------------------------------------------
+
+
+def check_template(config: BridgeConfig) -> Check:
+    name = "template"
+    settings = TrainingSettings()
+    key = "doctor-sample"
+    job_dir = config.spool_dir / "jobs" / key
+    spec = JobSpec(
+        name=f"rodan-{key}",
+        comment=key,
+        time_minutes=settings.max_time_minutes,
+        memory_mb=settings.max_memory_mb,
+        cpus=settings.cpus,
+        gres=config.gres_for(settings.max_memory_mb),
+        email=settings.notification_email,
+        account=config.account,
+        partition=config.partition,
+        warn_seconds=config.warn_seconds_for(settings.max_time_minutes),
+        extra_args=config.scheduler_args,
+        log_dir=job_dir,
+        workdir=job_dir,
+        command=(config.worker_python, "-m", "worker", "run", str(config.spool_dir / "params" / f"{key}.json")),
+    )
+    scheduler = get_scheduler(config.scheduler, timeout_s=config.scheduler_timeout_s, options=config.scheduler_options)
+    try:
+        script = scheduler.render(spec)
+    except (ValueError, KeyError) as exc:
+        return fail(
+            name,
+            f"the {scheduler.display_name} batch script does not render for a sample request: {exc}",
+            "fix HPC_SLURM_ACCOUNT/HPC_SLURM_PARTITION/HPC_SGE_*/HPC_GPU_RULES/HPC_SCHEDULER_ARGS named above",
+        )
+    leaked = [s for s in config.secrets if s in script]
+    if leaked:
+        return fail(
+            name,
+            f"the rendered batch script contains {len(leaked)} secret(s) from the credentials",
+            "remove the password from HPC_SCHEDULER_ARGS and the other settings that reach the script",
+        )
+    lines = len(script.splitlines())
+    return ok(name, f"{scheduler.display_name} batch script renders for a sample request ({lines} lines, no secret)")
+
+
+def check_worker(config: BridgeConfig, runner: Callable[..., Any] = run_command) -> Check:
+    name = "worker"
+    python = config.worker_python
+    fix = (
+        f"install the worker into that environment ({python} -m pip install 'hpc-bridge[worker]'), or fix "
+        "HPC_WORKER_PYTHON"
+    )
+    try:
+        result = runner([python, "-c", WORKER_PROBE], timeout=180.0, env=scrubbed_environment())
+    except CommandNotFound:
+        return fail(name, f"HPC_WORKER_PYTHON {python} does not exist", fix)
+    except CommandTimeout:
+        return fail(name, f"{python} took over 180 s to import worker.trainer and tensorflow", fix)
+    except CommandError as exc:
+        lines = [ln for ln in exc.output.splitlines() if ln.strip()]
+        return fail(name, f"{python} cannot import the worker: {lines[-1] if lines else exc.reason}", fix)
+    words = result.stdout.split()
+    if len(words) < 2:
+        return fail(name, f"{python} printed {result.stdout.strip()!r} instead of a version and a GPU count", fix)
+    version, gpus = words[-2], words[-1]
+    note = " (none here is normal on a login node: the jobs' nodes have them)" if gpus == "0" else ""
+    return ok(name, f"{python}: worker.trainer imports, TensorFlow {version}, {gpus} GPU(s) visible{note}")

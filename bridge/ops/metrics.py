@@ -1,0 +1,167 @@
+"""Prometheus metrics of the bridge, computed from the ledger and the outbox (text format 0.0.4).
+
+Written atomically to ``HPC_METRICS_FILE`` (mode 0644, for node_exporter's textfile collector)
+at the end of every ``check`` pass and every reconciliation of ``run``. No client library is
+needed: the text format is simple enough to write by hand.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from bridge.ledger import RequestRecord, RequestState
+from bridge.spool import Spool, atomic_write
+
+#: Request states as operators see them (``hpc-bridge status --state``), in lifecycle order.
+STATES: tuple[str, ...] = (
+    "queued",
+    "submitting",
+    "submitted",
+    "pending",
+    "running",
+    "continued",
+    "replied-ok",
+    "replied-error",
+    "rejected",
+)
+#: Reply latency buckets in seconds: a minute to three days.
+LATENCY_BUCKETS: tuple[float, ...] = (60, 300, 900, 1800, 3600, 7200, 21600, 43200, 86400, 259200)
+
+
+def display_state(record: RequestRecord, job_state: str | None = None) -> str:
+    """The operator's state of a request; ``job_state`` is the scheduler's (else the last one seen)."""
+    if record.state is RequestState.RECEIVED:
+        return "queued"
+    if record.state is RequestState.SUBMITTING:
+        return "submitting"
+    if record.state is RequestState.REPLIED:
+        return "replied-error" if record.outcome == "error" else "replied-ok"
+    if record.state is RequestState.REJECTED:
+        return "rejected"
+    if record.continuations:
+        return "continued"
+    seen = (job_state if job_state is not None else record.job_state).upper()
+    if seen == "RUNNING":
+        return "running"
+    if seen in ("PENDING", "REQUEUED", "SUSPENDED"):
+        return "pending"
+    return "submitted"
+
+
+@dataclass(frozen=True)
+class Counters:
+    """What the bridge did, counted from the ledger (so it survives restarts)."""
+
+    received: int
+    submitted: int
+    replied_ok: int
+    replied_error: int
+    rejected: int
+    dead_lettered: int
+    continuations: int
+
+    def to_json(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+def count(records: Iterable[RequestRecord]) -> Counters:
+    items = list(records)
+    return Counters(
+        received=len(items),
+        submitted=sum(1 for r in items if r.job_id or r.submitted_at),
+        replied_ok=sum(1 for r in items if r.state is RequestState.REPLIED and r.outcome != "error"),
+        replied_error=sum(1 for r in items if r.state is RequestState.REPLIED and r.outcome == "error"),
+        rejected=sum(1 for r in items if r.state is RequestState.REJECTED),
+        dead_lettered=sum(1 for r in items if r.dead_lettered),
+        continuations=sum(r.continuations for r in items),
+    )
+
+
+def outbox_size(spool: Spool) -> int:
+    """Replies staged and not yet published."""
+    return len(list(spool.outbox_dir.glob("*.json"))) if spool.outbox_dir.exists() else 0
+
+
+def _fmt(value: float) -> str:
+    if math.isinf(value):
+        return "+Inf"
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def render(
+    records: Iterable[RequestRecord],
+    *,
+    outbox: int,
+    job_states: Mapping[str, str] | None = None,
+    reconciliations: int | None = None,
+    broker_reconnects: int | None = None,
+    now: float | None = None,
+) -> str:
+    """The metrics in Prometheus text format. ``job_states``: correlation id -> scheduler state."""
+    items = list(records)
+    states = job_states or {}
+    counters = count(items)
+    lines: list[str] = []
+
+    def family(name: str, kind: str, help_text: str) -> None:
+        lines.append(f"# HELP {name} {help_text}")
+        lines.append(f"# TYPE {name} {kind}")
+
+    family("hpc_bridge_requests_total", "counter", "Requests the bridge has handled, by outcome (from the ledger).")
+    outcomes = {
+        "received": counters.received,
+        "submitted": counters.submitted,
+        "replied_ok": counters.replied_ok,
+        "replied_error": counters.replied_error,
+        "rejected": counters.rejected,
+        "dead_lettered": counters.dead_lettered,
+    }
+    for outcome, value in outcomes.items():
+        lines.append(f'hpc_bridge_requests_total{{outcome="{outcome}"}} {value}')
+    family("hpc_bridge_continuations_total", "counter", "Times a training continued in a new job.")
+    lines.append(f"hpc_bridge_continuations_total {counters.continuations}")
+
+    family("hpc_bridge_reply_latency_seconds", "histogram", "Seconds from receiving a request to its final reply.")
+    latencies = [r.replied_at - r.created_at for r in items if r.state.is_final and r.replied_at > 0]
+    for bound in (*LATENCY_BUCKETS, math.inf):
+        hits = sum(1 for x in latencies if x <= bound)
+        lines.append(f'hpc_bridge_reply_latency_seconds_bucket{{le="{_fmt(bound)}"}} {hits}')
+    lines.append(f"hpc_bridge_reply_latency_seconds_sum {_fmt(round(sum(latencies), 3))}")
+    lines.append(f"hpc_bridge_reply_latency_seconds_count {len(latencies)}")
+
+    family("hpc_bridge_ledger_requests", "gauge", "Requests the ledger holds, by state.")
+    by_state = Counter(display_state(r, states.get(r.correlation_id)) for r in items)
+    for state in STATES:
+        lines.append(f'hpc_bridge_ledger_requests{{state="{state}"}} {by_state.get(state, 0)}')
+    family("hpc_bridge_jobs", "gauge", "Jobs of open requests, by the scheduler state last seen.")
+    jobs = Counter(
+        (states.get(r.correlation_id) or r.job_state or "UNKNOWN").upper()
+        for r in items
+        if r.state is RequestState.SUBMITTED
+    )
+    for job_state in sorted(jobs):
+        lines.append(f'hpc_bridge_jobs{{state="{job_state}"}} {jobs[job_state]}')
+    family("hpc_bridge_outbox_replies", "gauge", "Replies staged on disk and not yet published.")
+    lines.append(f"hpc_bridge_outbox_replies {outbox}")
+    if reconciliations is not None:
+        family("hpc_bridge_reconciliations_total", "counter", "Reconciliation runs by this bridge process.")
+        lines.append(f"hpc_bridge_reconciliations_total {reconciliations}")
+    if broker_reconnects is not None:
+        family("hpc_bridge_broker_reconnects_total", "counter", "Broker connections lost and retried by this process.")
+        lines.append(f"hpc_bridge_broker_reconnects_total {broker_reconnects}")
+    family("hpc_bridge_metrics_timestamp_seconds", "gauge", "When these metrics were written (Unix time).")
+    lines.append(f"hpc_bridge_metrics_timestamp_seconds {_fmt(round(now if now is not None else time.time(), 3))}")
+    return "\n".join(lines) + "\n"
+
+
+def write_metrics(
+    path: Path, records: Iterable[RequestRecord], *, outbox: int, reconciliations: int, broker_reconnects: int
+) -> None:
+    """Replace ``path`` atomically with the current metrics (0644: node_exporter reads it)."""
+    text = render(records, outbox=outbox, reconciliations=reconciliations, broker_reconnects=broker_reconnects)
+    atomic_write(path, text.encode("utf-8"), mode=0o644)

@@ -1,0 +1,309 @@
+"""``hpc-bridge status`` and the metrics file: unit tests, and one run on the real broker and Slurm
+that drives requests into every state a short test can reach and reads them back."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from bridge.ledger import RequestRecord, RequestState
+from bridge.ops.metrics import display_state, render
+from bridge.ops.status import Row, format_duration, format_table, parse_duration, select
+from tests.conftest import FAST_SETTINGS, Cluster, bridge_environ, cancel_ledger_jobs, run_bridge, wait_until
+
+# --- units ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("90", 90), ("90s", 90), ("30m", 1800), ("2h", 7200), ("1d", 86400), ("1.5h", 5400), (" 1W ", 604800)],
+)
+def test_parse_duration(text: str, seconds: float) -> None:
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "h", "2x", "-1h", "1h30m"])
+def test_parse_duration_refuses(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_duration(text)
+
+
+def test_format_duration() -> None:
+    assert [format_duration(s) for s in (None, 5, 125, 3 * 3600 + 300, 2 * 86400 + 4 * 3600)] == [
+        "-",
+        "5s",
+        "2m",
+        "3h05",
+        "2d04",
+    ]
+
+
+def _row(corr: str, state: str, *, age: float = 10.0, last: str = "", continuations: int = 0) -> Row:
+    return Row(
+        correlation_id=corr,
+        generation="new",
+        scheduler="gridengine",
+        job_id="1234567890123",
+        state=state,
+        continuations=continuations,
+        age_s=age,
+        training_s=None,
+        last_event=last,
+        job_state="",
+        dead_lettered=False,
+        reason="",
+        created_at=0.0,
+        replied_at=0.0,
+    )
+
+
+def test_table_fits_80_columns_and_shortens_ids() -> None:
+    rows = [
+        _row("0123456789abcdef", "continued", last="x" * 200, continuations=3),
+        _row("fedcba9876543210", "replied-error", last="Slurm job 61 ended without a result: TIMEOUT"),
+    ]
+    lines = format_table(rows)
+    assert lines[0].split()[:4] == ["ID", "GEN", "JOB", "STATE"]
+    assert all(len(line) <= 80 for line in lines)
+    assert lines[1].startswith("01234567 new sge ") and "continued 3x" in lines[1] and lines[1].endswith("~")
+    assert lines[2].startswith("fedcba98 ") and "replied-error" in lines[2]
+
+
+def test_select_by_state_and_age() -> None:
+    rows = [_row("a", "replied-ok", age=30), _row("b", "replied-error", age=4000), _row("c", "running", age=100)]
+    assert [r.correlation_id for r in select(rows, ["replied"], None, None)] == ["a", "b"]
+    assert [r.correlation_id for r in select(rows, ["running", "replied-ok"], None, None)] == ["a", "c"]
+    assert [r.correlation_id for r in select(rows, [], 3600, None)] == ["b"]
+    assert [r.correlation_id for r in select(rows, [], None, 60)] == ["a"]
+
+
+def test_display_state_and_metrics_text() -> None:
+    def rec(state: RequestState, **kw: object) -> RequestRecord:
+        return RequestRecord(correlation_id=str(kw.pop("corr", "c")), key="k", reply_to="q", state=state, **kw)  # type: ignore[arg-type]
+
+    now = 1_000_000.0
+    records = [
+        rec(RequestState.RECEIVED, corr="1"),
+        rec(RequestState.SUBMITTED, corr="2", job_id="7", job_state="PENDING"),
+        rec(RequestState.SUBMITTED, corr="3", job_id="8", job_state="PENDING", continuations=2),
+        rec(RequestState.REPLIED, corr="4", job_id="9", outcome="ok", created_at=now, replied_at=now + 100),
+        rec(RequestState.REJECTED, corr="5", outcome="error", dead_lettered=True, created_at=now, replied_at=now + 1),
+    ]
+    assert [display_state(r) for r in records] == ["queued", "pending", "continued", "replied-ok", "rejected"]
+    assert display_state(records[1], "RUNNING") == "running"
+    text = render(records, outbox=2, job_states={"2": "RUNNING"}, reconciliations=4, broker_reconnects=1, now=now)
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert samples[("hpc_bridge_requests_total", (("outcome", "received"),))] == 5
+    assert samples[("hpc_bridge_requests_total", (("outcome", "submitted"),))] == 3
+    assert samples[("hpc_bridge_requests_total", (("outcome", "replied_ok"),))] == 1
+    assert samples[("hpc_bridge_requests_total", (("outcome", "rejected"),))] == 1
+    assert samples[("hpc_bridge_continuations_total", ())] == 2
+    assert samples[("hpc_bridge_reply_latency_seconds_bucket", (("le", "60"),))] == 1
+    assert samples[("hpc_bridge_reply_latency_seconds_bucket", (("le", "300"),))] == 2
+    assert samples[("hpc_bridge_reply_latency_seconds_count", ())] == 2
+    assert samples[("hpc_bridge_reply_latency_seconds_sum", ())] == 101
+    assert samples[("hpc_bridge_ledger_requests", (("state", "running"),))] == 1
+    assert samples[("hpc_bridge_ledger_requests", (("state", "continued"),))] == 1
+    assert samples[("hpc_bridge_jobs", (("state", "RUNNING"),))] == 1
+    assert samples[("hpc_bridge_outbox_replies", ())] == 2
+    assert samples[("hpc_bridge_reconciliations_total", ())] == 4
+    assert samples[("hpc_bridge_broker_reconnects_total", ())] == 1
+
+
+# --- on the real broker and Slurm ---------------------------------------------------------------
+
+
+def _status(env: dict[str, str], *args: str) -> tuple[int, str]:
+    result = run_bridge(env, "status", *args, timeout=60)
+    return result.returncode, result.stdout + result.stderr
+
+
+@pytest.mark.broker
+def test_status_and_metrics_on_real_requests(broker_url, standin, queues, rodan, sample_inputs, tmp_path, slurm):
+    spool = tmp_path / "spool"
+    metrics = tmp_path / "textfile" / "hpc_bridge.prom"
+    env = bridge_environ(
+        broker_url,
+        standin,
+        queues,
+        spool,
+        HPC_SCHEDULER="slurm",
+        HPC_LOG_FILE=str(tmp_path / "bridge.log"),
+        HPC_METRICS_FILE=str(metrics),
+        HPC_MAX_ATTEMPTS="50",
+        HPC_RODAN_RETRIES="0",
+    )
+    sleeper = tmp_path / "sleeper"
+    sleeper.write_text("#!/bin/sh\nexec sleep 120\n")
+    sleeper.chmod(0o755)
+    page = sample_inputs("new", n_layers=1, seed=11)
+
+    def check(**extra: str) -> None:
+        result = run_bridge({**env, **extra}, "check")
+        assert result.returncode == 0, result.stderr[-2000:]
+
+    try:
+        bad = rodan.publish(b"{not json")
+        standin.fail_next(1, status=403, paths="/api/auth/token/")  # Rodan refuses the HPC account
+        refused = rodan.publish_request(page, FAST_SETTINGS)
+        check()
+        done = rodan.publish_request(page, FAST_SETTINGS)
+        check(HPC_WORKER_PYTHON="/bin/true")  # the job ends at once without a reply
+        running = rodan.publish_request(page, FAST_SETTINGS)
+        check(HPC_WORKER_PYTHON=str(sleeper))
+        pending = rodan.publish_request(page, FAST_SETTINGS)
+        check(HPC_SCHEDULER_ARGS="--hold")  # submitted, held: pending until cancelled
+        standin.fail_next(10_000, status=503, paths="/api/auth/token/")  # Rodan down: deferred, stays queued
+        queued = rodan.publish_request(page, FAST_SETTINGS)
+
+        def settled() -> bool:
+            check()
+            record = json.loads((spool / "ledger" / f"{done}.json").read_text())
+            return record["state"] == "replied" and Cluster("slurm").is_running(
+                json.loads((spool / "ledger" / f"{running}.json").read_text())["job_id"]
+            )
+
+        wait_until(settled, timeout=60, interval=1, what="the /bin/true job replied and the sleeper running")
+        expected = {
+            bad: "rejected",
+            refused: "rejected",
+            done: "replied-error",
+            running: "running",
+            pending: "pending",
+            queued: "queued",
+        }
+
+        code, out = _status(env)
+        assert code == 0, out
+        lines = out.splitlines()
+        assert all(len(line) <= 80 for line in lines), out
+        rows = {line[:8]: line.split() for line in lines[1:] if not line.startswith("queues:")}
+        by_short = {corr[:8]: state for corr, state in expected.items()}
+        for short, words in rows.items():
+            assert by_short[short] in words, (short, words)
+        assert rows[running[:8]][2:4] == [
+            "slurm",
+            json.loads((spool / "ledger" / f"{running}.json").read_text())["job_id"],
+        ]
+        summary = next(line for line in lines if line.startswith("queues:"))
+        assert summary.split() == ["queues:", "request", "1", "reply", "3", "dead-letter", "2", "|", "outbox", "0"]
+
+        code, out = _status(env, "--json")
+        assert code == 0, out
+        data = json.loads(out)
+        states = {r["correlation_id"]: r["state"] for r in data["requests"]}
+        assert states == expected
+        by_id = {r["correlation_id"]: r for r in data["requests"]}
+        assert by_id[bad]["dead_lettered"] and by_id[refused]["dead_lettered"]
+        assert "COMPLETED" in by_id[done]["last_event"] and by_id[done]["scheduler"] == "slurm"
+        assert by_id[running]["job_state"] == "RUNNING" and by_id[pending]["job_state"] == "PENDING"
+        assert {k: v["depth"] for k, v in data["queues"].items()} == {"request": 1, "reply": 3, "dead_letter": 2}
+        assert data["outbox"] == 0
+        assert data["counters"] == {
+            "received": 6,
+            "submitted": 3,
+            "replied_ok": 0,
+            "replied_error": 1,
+            "rejected": 2,
+            "dead_lettered": 2,
+            "continuations": 0,
+        }
+
+        def ids(*args: str) -> set[str]:
+            code, out = _status(env, "--json", "--no-scheduler", *args)
+            assert code == 0, out
+            return {r["correlation_id"] for r in json.loads(out)["requests"]}
+
+        assert ids("--state", "rejected") == {bad, refused}
+        assert ids("--state", "replied", "--state", "queued") == {done, queued}
+        assert ids("--newer-than", "1h") == set(expected)
+        assert ids("--older-than", "1h") == set()
+
+        # The metrics file of the last pass: 0644, and its counters are what happened.
+        assert stat.S_IMODE(os.stat(metrics).st_mode) == 0o644
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(metrics.read_text())
+            for s in family.samples
+        }
+        for outcome, value in data["counters"].items():
+            if outcome != "continuations":
+                assert samples[("hpc_bridge_requests_total", (("outcome", outcome),))] == value, outcome
+        replied = sum(1 for r in data["requests"] if r["replied_at"] > 0)
+        assert replied >= 1 and samples[("hpc_bridge_reply_latency_seconds_count", ())] == replied
+        assert samples[("hpc_bridge_ledger_requests", (("state", "queued"),))] == 1
+        assert samples[("hpc_bridge_ledger_requests", (("state", "rejected"),))] == 2
+        assert samples[("hpc_bridge_outbox_replies", ())] == 0
+        assert samples[("hpc_bridge_reconciliations_total", ())] == 1  # per check process
+        assert time.time() - samples[("hpc_bridge_metrics_timestamp_seconds", ())] < 3600
+
+        # Broker down: the table still comes, the summary says so, exit 0.
+        code, out = _status({**env, "RABBITMQ_URL": "amqp://guest:guest@127.0.0.1:1/%2F"}, "--no-scheduler")
+        assert code == 0 and "broker down" in out and "request -  reply -  dead-letter -" in out, out
+        assert len([line for line in out.splitlines() if line[:8] in by_short]) == 6
+    finally:
+        standin.clear_faults()
+        cancel_ledger_jobs(spool, Cluster("slurm"))
+
+
+def test_metrics_file_is_not_written_without_the_setting(tmp_path: Path) -> None:
+    from bridge.config import load_config
+
+    base = {
+        "RABBITMQ_URL": "amqp://g:g@127.0.0.1:1/%2F",
+        "RODAN_HOST": "h",
+        "RODAN_USER": "a@b.c",
+        "RODAN_PASSWORD": "p",
+    }
+    assert load_config(environ=base).metrics_file is None
+    assert (
+        load_config(environ={**base, "HPC_METRICS_FILE": str(tmp_path / "m.prom")}).metrics_file == tmp_path / "m.prom"
+    )
+
+
+def _metric(path: Path, name: str) -> float | None:
+    if not path.exists():
+        return None
+    for family in text_string_to_metric_families(path.read_text()):
+        for sample in family.samples:
+            if sample.name == name:
+                return float(sample.value)
+    return None
+
+
+@pytest.mark.broker
+@pytest.mark.skipif(
+    subprocess.run(["which", "rabbitmqctl"], capture_output=True).returncode != 0
+    or bool(os.environ.get("RABBITMQ_URL")),
+    reason="closing a connection needs rabbitmqctl on the broker's own machine",
+)
+def test_daemon_metrics_count_reconciliations_and_reconnects(broker_url, standin, queues, tmp_path, slurm):
+    from tests.test_daemon import Daemon, _connection_named
+
+    spool, log, metrics = tmp_path / "spool", tmp_path / "bridge.log", tmp_path / "bridge.prom"
+    env = bridge_environ(broker_url, standin, queues, spool, HPC_LOG_FILE=str(log), HPC_METRICS_FILE=str(metrics))
+    daemon = Daemon(env, log, spool)
+    try:
+        wait_until(lambda: (_metric(metrics, "hpc_bridge_reconciliations_total") or 0) >= 1, 30, 0.1, "metrics")
+        assert _metric(metrics, "hpc_bridge_broker_reconnects_total") == 0
+        mine = _connection_named(f"hpc-bridge/{daemon.proc.pid}")
+        assert len(mine) == 1
+        subprocess.run(["rabbitmqctl", "-q", "close_connection", mine[0], "test: simulated broker loss"], check=True)
+        wait_until(
+            lambda: _metric(metrics, "hpc_bridge_broker_reconnects_total") == 1, 60, 0.2, "the reconnect counted"
+        )
+        assert (_metric(metrics, "hpc_bridge_reconciliations_total") or 0) >= 2
+    finally:
+        assert daemon.stop() == 0
