@@ -22,6 +22,7 @@ from typing import Any
 
 from bridge.errors import SchedulerRejected, SchedulerUnavailable
 from bridge.shell import CommandError, CommandResult, run_command
+from bridge.spool import atomic_write
 
 
 class JobState(str, Enum):
@@ -265,10 +266,7 @@ class Scheduler(ABC):
         """
         successor = replace(spec, hold_after=job_id)
         path = script.with_name(f"{script.stem}-after-{directive_value('job id', job_id)}{script.suffix}")
-        temporary = path.with_name(f".{path.name}.partial")
-        temporary.write_text(self.render(successor))
-        temporary.chmod(0o700)
-        os.replace(temporary, path)
+        atomic_write(path, self.render(successor).encode("utf-8"), mode=0o700)
         return self.submit(path, successor)
 
     def ping(self) -> str:
