@@ -367,10 +367,14 @@ def test_training_longer_than_one_job_continues_and_equals_an_uninterrupted_run(
     end with the same models; each gets exactly one reply.
     """
     cluster = harness.cluster
-    harness.env.update(HPC_WARN_SECONDS="10", HPC_TRAINING_SEED="20261126", HPC_MAX_CONTINUATIONS="6")
+    # Warned 30 s into a one-minute job (the most a warning may take: half the limit), so each job
+    # trains ~10-15 s after its start-up; the training needs 70-90 s on these 2 cores, so the first
+    # job is cut even on a machine several times faster.
+    harness.env.update(HPC_WARN_SECONDS="30", HPC_TRAINING_SEED="20261126", HPC_MAX_CONTINUATIONS="8")
     page = sample_inputs("new", n_layers=1, height=320, width=384, seed=12)
-    continued = rodan.publish_request(page, {**LONG, "Maximum time (D-HH:MM)": "0-00:01"})
-    reference = rodan.publish_request(page, {**LONG, "Maximum time (D-HH:MM)": "0-00:15"})
+    work = {**LONG, "Maximum number of samples per label": 1500}
+    continued = rodan.publish_request(page, {**work, "Maximum time (D-HH:MM)": "0-00:01"})
+    reference = rodan.publish_request(page, {**work, "Maximum time (D-HH:MM)": "0-00:15"})
     harness.drive([continued, reference], timeout=900)
     time.sleep(3)
     harness.check()
