@@ -11,6 +11,7 @@ from typing import Any
 from bridge.config import BridgeConfig, load_config
 from bridge.errors import ConfigError
 from bridge.logs import configure_logging, register_secret
+from bridge.progress import MODES
 
 EXAMPLES = """examples:
   hpc-bridge check                      # one pass: what cron's run_check runs
@@ -23,7 +24,7 @@ CHAIN_EPILOG = """The command runs in N batch jobs, one after the other, each un
 HPC_CHECKPOINT_DIR, HPC_RESTART_COUNT, HPC_CHAIN_LINK, HPC_CHAIN_LINKS and HPC_RUN_DIR and sends it
 SIGUSR1 --warn seconds before the job's limit. The command exits 0 when the work is finished (the
 waiting jobs are cancelled), 75 to continue in the next job, anything else to stop the chain.
-Needs no credentials.env. The contract: deploy/examples/README.md.
+Needs no credentials.env. The contract: docs/researcher-guide.md.
 
 example:
   hpc-bridge chain --jobs 3 --time 1:00:00 --gpus 1 -v DATA=/scratch/me/set --wait -- \\
@@ -65,6 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     enq.add_argument("--wait", action="store_true", help="wait for the reply like Rodan (nacking foreign replies)")
     enq.add_argument("--timeout", type=float, default=None, help="give up waiting after this many seconds")
     enq.add_argument("--out", type=Path, help="write the decoded models here")
+    enq.add_argument(
+        "--progress",
+        choices=MODES,
+        default="auto",
+        help="with --wait, show the request's state, job, layer/epoch and elapsed time on standard error: "
+        "a status line redrawn in place (bar), one line per change (lines), JSON lines (json), or none; "
+        "auto (default): bar on a terminal, else json. Standard output stays the one result line",
+    )
     _add_chain_parser(sub)
     from bridge.ops import add_parsers
 
@@ -140,11 +149,21 @@ def _add_chain_parser(sub: Any) -> None:
         help="follow the chain until it has ended; exit 0 only if "
         "the command finished (1: failed, 75: every job used and more to do)",
     )
+    chain.add_argument(
+        "--progress",
+        choices=MODES,
+        default="auto",
+        help="with --wait, show the current link, its scheduler state and the elapsed time on standard error: "
+        "a status line under the event lines (bar), one line per change (lines), the events and states as "
+        "JSON lines (json), or none; auto (default): bar on a terminal, else json",
+    )
     chain.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...", help="the command to run")
 
 
 def _enqueue(config: BridgeConfig, args: argparse.Namespace) -> int:
-    from bridge.enqueue import publish_request, save_models, wait_for_reply
+    from bridge.enqueue import RequestWatcher, progress_poller, publish_request, save_models, wait_for_reply
+    from bridge.ops.status import runs_dir
+    from bridge.progress import Progress
 
     inputs = json.loads(args.inputs.read_text())
     settings: dict[str, Any] = {}
@@ -159,9 +178,26 @@ def _enqueue(config: BridgeConfig, args: argparse.Namespace) -> int:
     )
     result: dict[str, Any] = {"correlation_id": correlation_id}
     if args.wait:
-        reply = wait_for_reply(
-            config.broker_url, correlation_id, reply_queue=config.reply_queue, timeout_s=args.timeout
-        )
+        progress = Progress(correlation_id[:8], mode=args.progress)
+        watcher = RequestWatcher(config.spool_dir, runs_dir(config), correlation_id)
+        try:
+            reply = wait_for_reply(
+                config.broker_url,
+                correlation_id,
+                reply_queue=config.reply_queue,
+                timeout_s=args.timeout,
+                # the status line says it; log lines on the same terminal would garble it
+                progress_every_s=None if progress.in_place and config.log_file is None else 15.0,
+                on_poll=progress_poller(watcher, progress) if progress.mode != "none" else None,
+            )
+            view = watcher.poll()
+            if reply is None:
+                view.state = "timed-out"
+            else:
+                view.state, view.outcome = "replied", "error" if reply.is_error else "ok"
+            view.report(progress)
+        finally:
+            progress.finish()
         if reply is None:
             result["error"] = "no reply before the timeout"
             print(json.dumps(result))

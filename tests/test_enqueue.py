@@ -86,3 +86,11 @@ def test_enqueue_publishes_like_rodan_and_waits_for_its_own_reply(broker_url, st
     }
     # the foreign reply was nacked back into the queue, not eaten
     assert [c for c, _b, _h in rodan.drain()] == ["other"]
+    # standard output is the result line only; the progress (JSON: stderr is no terminal) is on
+    # standard error, and without the spool (this bridge has none) it says it waits for the reply
+    assert len(result.stdout.splitlines()) == 1
+    progress = [e for e in map(json.loads, result.stderr.splitlines()) if e.get("event") == "progress"]
+    assert [e["state"] for e in progress] == ["waiting", "replied"], result.stderr
+    corr = out["correlation_id"]
+    assert all(e["what"] == corr[:8] and e["correlation_id"] == corr for e in progress)
+    assert progress[-1]["outcome"] == "ok" and "job_id" not in progress[-1]

@@ -16,6 +16,7 @@ from typing import Any
 from bridge.chain.follow import follow
 from bridge.chain.rundir import RunDir, default_run_dir
 from bridge.chain.settings import (
+    EX_TEMPFAIL,
     ChainError,
     ChainSettings,
     default_warn,
@@ -27,6 +28,7 @@ from bridge.chain.settings import (
 )
 from bridge.chain.submit import submit_chain
 from bridge.errors import BridgeError, SchedulerUnavailable
+from bridge.progress import Progress
 from bridge.schedulers import Scheduler, get_scheduler
 
 
@@ -83,11 +85,18 @@ def chain_command(args: Any, environ: Mapping[str, str] | None = None, out: Call
     if not args.wait:
         out(f"follow: tail -f {run.log_file}")
         return 0
+    progress = Progress(f"chain {name}", mode=getattr(args, "progress", "auto"))
     try:
-        return follow(run_path, scheduler, out=out)
+        code = follow(run_path, scheduler, out=out, progress=progress)
+        outcome = {0: "done", 1: "failed", EX_TEMPFAIL: "incomplete"}.get(code, f"exit {code}")
+        progress.update(outcome, outcome=outcome, code=code)
+        return code
     except KeyboardInterrupt:
+        progress.finish()
         out("stopped following; the chain goes on")
         return 130
+    finally:
+        progress.finish()
 
 
 def cancel_chain(run_path: Path, scheduler: Scheduler | None = None) -> list[str]:

@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from bridge.chain.link import _cancel
-from bridge.chain.rundir import ChainLog, RunDir, _parse_event
+from bridge.chain.rundir import ChainLog, RunDir
 from bridge.chain.settings import EX_TEMPFAIL
 from bridge.errors import BridgeError
+from bridge.progress import Progress, read_new_events
 from bridge.schedulers import JobInfo, JobState, Scheduler
 
 FINAL_EVENTS = {"chain_done": 0, "chain_failed": 1, "chain_incomplete": EX_TEMPFAIL}
@@ -65,6 +66,7 @@ def follow(
     log_poll_s: float = 0.5,
     query_every_s: float = 5.0,
     settle_s: float = 120.0,
+    progress: Progress | None = None,
 ) -> int:
     """Print the chain's events as they come until it has ended; return 0 (done), 1 (failed), 75 (incomplete).
 
@@ -72,11 +74,18 @@ def follow(
     any more (or ``settle_s`` after the final event). Should every link end without a final
     event (a link killed outright, e.g. Grid Engine's SIGKILL at h_rt without a warning), the
     follower decides and records it in chain.log itself.
+
+    With ``progress``, the current link, its scheduler state and the elapsed time are reported
+    there too (a status line kept under the printed lines, or JSON lines that also carry every
+    chain event); the caller finishes it.
     """
     run = RunDir(run_path)
     record = run.read()
     job_ids = [str(j) for j in record.get("job_ids") or []]
     links = int(record.get("links", len(job_ids)))
+    status = _Status(job_ids, links, progress, out)
+    out = status.print_line
+    status.report()
     offset = 0
     final: dict[str, Any] | None = None
     final_seen_at = 0.0
@@ -86,12 +95,11 @@ def follow(
     swept = False
     seen: list[dict[str, Any]] = []
     while True:
-        offset, new = _read_new(run.log_file, offset)
+        offset, new = read_new_events(run.log_file, offset)
         for event in new:
             seen.append(event)
             line = describe(event)
-            if line:
-                out(line)
+            status.event(event, line)
             if final is None and event.get("event") in FINAL_EVENTS:
                 final, final_seen_at, next_query = event, time.monotonic(), time.monotonic()
         now = time.monotonic()
@@ -107,6 +115,8 @@ def follow(
                     swept = True
                     _sweep(run, record, scheduler, current, out)
                 _print_states(job_ids, links, current, states, out)
+                status.set_current(current)
+                status.report()
                 live = [j for j in job_ids if j in current and not current[j].state.is_terminal]
                 ended_polls = ended_polls + 1 if not live else 0
                 if final is not None and (ended_polls >= 2 or now - final_seen_at > settle_s):
@@ -115,6 +125,7 @@ def follow(
                     return FINAL_EVENTS[str(final["event"])]
                 if final is None and ended_polls >= 3:
                     return _conclude(run, record, seen, current, out)
+        status.tick()
         time.sleep(log_poll_s)
 
 
@@ -139,18 +150,6 @@ def _sweep(
             out(f"cancelled waiting job(s) {' '.join(cancelled)}")
     finally:
         events.close()
-
-
-def _read_new(path: Path, offset: int) -> tuple[int, list[dict[str, Any]]]:
-    try:
-        with path.open("rb") as handle:
-            handle.seek(offset)
-            data = handle.read()
-    except FileNotFoundError:
-        return offset, []
-    complete = data[: data.rfind(b"\n") + 1]
-    events = [e for e in (_parse_event(line) for line in complete.decode(errors="replace").splitlines()) if e]
-    return offset + len(complete), events
 
 
 def _print_states(
@@ -192,3 +191,82 @@ def _conclude(
         events.close()
     out(describe(event) or str(event))
     return FINAL_EVENTS[str(event["event"])]
+
+
+class _Status:
+    """The follower's progress: which link is current, its scheduler state, the chain's events."""
+
+    def __init__(
+        self, job_ids: Sequence[str], links: int, progress: Progress | None, out: Callable[[str], None]
+    ) -> None:
+        self.job_ids = list(job_ids)
+        self.links = links
+        self.progress = progress
+        self.out = out
+        self.current: Mapping[str, JobInfo] | None = None
+        self.started: set[int] = set()  # links that logged link_start
+        self.said: tuple[int, str] | None = None  # (link, state) from the last link event in chain.log
+
+    def print_line(self, line: str) -> None:
+        """``out(line)``, keeping the status line under it (JSON mode: also a message line)."""
+        if self.progress is None:
+            self.out(line)
+        else:
+            self.progress.note(line, out=self.out)
+
+    def event(self, event: Mapping[str, Any], line: str | None) -> None:
+        """Print the event's line (JSON mode: the event itself too), and follow the links."""
+        link, name = event.get("link"), event.get("event")
+        if isinstance(link, int) and name in ("link_start", "command_exit", "link_skipped"):
+            # the link's own word is fresher than the scheduler's last answer
+            self.said = (link, {"link_start": "running", "command_exit": "ended", "link_skipped": "skipped"}[name])
+            if name == "link_start":
+                self.started.add(link)
+        if self.progress is None:
+            if line:
+                self.out(line)
+            return
+        if line is not None or self.progress.mode == "json":
+            fields = {k: v for k, v in event.items() if k not in ("event", "level", "out")}
+            self.progress.note(line, out=self.out, chain_event=event.get("event"), **fields)
+        self.report()
+
+    def link(self) -> tuple[int, str, str]:
+        """(link number, its job id, its state): the first link the scheduler still holds, else
+        the last one that started, else the first; a later link event in chain.log than the
+        scheduler's last answer (which lags) wins."""
+        index, job_id, state = self._scheduler_link()
+        if self.said is not None:
+            link, said = self.said
+            if link > index or (link == index and state in ("pending", "submitted", "started")):
+                return link, self.job_ids[link - 1] if 0 < link <= len(self.job_ids) else "", said
+        return index, job_id, state
+
+    def set_current(self, current: Mapping[str, JobInfo]) -> None:
+        self.current = current
+        if self.said is not None and self._scheduler_link()[0] > self.said[0]:
+            self.said = None  # the scheduler has caught up and moved on
+
+    def _scheduler_link(self) -> tuple[int, str, str]:
+        if self.current is not None:
+            for index, job_id in enumerate(self.job_ids, start=1):
+                info = self.current.get(job_id)
+                if info is not None and not info.state.is_terminal:
+                    return index, job_id, info.state.value.lower()
+        index = max(self.started) if self.started else 1
+        job_id = self.job_ids[index - 1] if 0 < index <= len(self.job_ids) else ""
+        if self.current is None:
+            return index, job_id, "started" if self.started else "submitted"
+        info = self.current.get(job_id)
+        return index, job_id, (info.state.value.lower() if info is not None else "gone")
+
+    def report(self) -> None:
+        if self.progress is None:
+            return
+        index, job_id, state = self.link()
+        job = f" (job {job_id})" if job_id else ""
+        self.progress.update(state, f"link {index}/{self.links}{job}", link=index, links=self.links, job_id=job_id)
+
+    def tick(self) -> None:
+        if self.progress is not None:
+            self.progress.tick()

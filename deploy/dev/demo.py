@@ -25,6 +25,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from bridge.enqueue import RequestWatcher  # noqa: E402
+from bridge.progress import Progress  # noqa: E402
 from bridge.standin.samples import make_sample_page  # noqa: E402
 from bridge.standin.server import RodanStandin, User  # noqa: E402
 
@@ -98,18 +100,37 @@ def main() -> int:
         for name, value in SETTINGS.items():
             enqueue_cmd += ["--setting", f"{name}={value}"]
         say("enqueueing the request as Rodan does, and waiting for the reply")
-        waiter = subprocess.Popen(enqueue_cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, text=True)
+        # enqueue's own progress display is off: the demo draws it (under its own lines) instead
+        waiter = subprocess.Popen(
+            [*enqueue_cmd, "--progress", "none"], env=env, cwd=REPO, stdout=subprocess.PIPE, text=True
+        )
         started = time.monotonic()
         passes = 0
         last_state = ""
-        while waiter.poll() is None:
-            subprocess.run([*bridge, "check"], env=env, cwd=REPO, check=False)
-            passes += 1
-            state = _ledger_state(spool)
-            if state != last_state:
-                say(f"bridge pass {passes}: request {state}")
-                last_state = state
-            time.sleep(3)
+        # a status line redrawn in place on a terminal, one line per change otherwise
+        progress = Progress("request", mode="bar" if sys.stderr.isatty() else "lines")
+        watcher: RequestWatcher | None = None
+        next_check = 0.0
+        try:
+            while waiter.poll() is None:
+                if time.monotonic() >= next_check:
+                    subprocess.run([*bridge, "check"], env=env, cwd=REPO, check=False)
+                    passes += 1
+                    next_check = time.monotonic() + 3
+                    state = _ledger_state(spool)
+                    if state != last_state:
+                        progress.note(f"bridge pass {passes}: request {state}", out=say)
+                        last_state = state
+                watcher = watcher or _watcher(spool)
+                if watcher is None:
+                    progress.update("waiting", state_text="waiting for the bridge")
+                else:
+                    view = watcher.poll()
+                    progress.what = view.correlation_id[:8]
+                    view.report(progress)
+                time.sleep(0.5)
+        finally:
+            progress.finish()
         stdout = waiter.communicate()[0]
         result = json.loads(stdout.strip().splitlines()[-1])
         took = time.monotonic() - started
@@ -128,6 +149,18 @@ def main() -> int:
         print(f"{key:<22}{info['bytes']:>12}  loads: {model.count_params():,} parameters, output {model.output_shape}")
     print(f"\nrun directory: {run_dir}")
     return 0
+
+
+def _watcher(spool: Path) -> RequestWatcher | None:
+    """What the demo watches: the one request in its private spool, once the bridge has taken it."""
+    records = sorted((spool / "ledger").glob("*.json")) if (spool / "ledger").exists() else []
+    if not records:
+        return None
+    try:
+        correlation_id = str(json.loads(records[0].read_text())["correlation_id"])
+    except (OSError, ValueError, KeyError):
+        return None  # caught while being replaced: the next look will do
+    return RequestWatcher(spool, spool / "runs", correlation_id)
 
 
 def _ledger_state(spool: Path) -> str:
