@@ -22,7 +22,7 @@ from pathlib import Path
 import structlog
 
 from bridge.config import BridgeConfig
-from bridge.errors import PermanentError, TransientError
+from bridge.errors import PermanentError, SchedulerRejected, TransientError
 from bridge.ledger import Ledger, RequestRecord, RequestState
 from bridge.protocol import JobRequest, error_reply, parse_request
 from bridge.replies import ReplyBox
@@ -33,6 +33,12 @@ from bridge.spool import Spool, atomic_write, atomic_write_json
 log = structlog.get_logger(__name__)
 
 TOKEN_CACHE_S = 600.0
+
+#: What to change when the scheduler refuses a job for good (after its own words, in the reply).
+REFUSED_HINT = (
+    "Change 'Maximum memory (MB)', 'CPUs' or 'Maximum time (D-HH:MM)' to what the cluster allows; "
+    "if it names an account, partition, queue or GPU, the operator's scheduler settings are wrong"
+)
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,8 @@ class Intake:
             log.info("request_valid", generation=request.generation.value, layers=len(request.layers))
             token = self._get_token()
             job_id = self._submit(request, record, token)
+        except SchedulerRejected as exc:
+            return self._reject(record, f"{self.scheduler.display_name} refused the job: {exc}. {REFUSED_HINT}")
         except PermanentError as exc:
             return self._reject(record, str(exc))
         except TransientError as exc:

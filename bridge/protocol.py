@@ -72,8 +72,10 @@ SETTING_FIELDS: dict[str, tuple[str, dict[str, Any]]] = {
         "max_samples_per_label",
         {"type": "integer", "minimum": 100, "maximum": 100_000_000},
     ),
-    "Patch height": ("patch_height", {"type": "integer", "minimum": 64, "maximum": 8192}),
-    "Patch width": ("patch_width", {"type": "integer", "minimum": 64, "maximum": 8192}),
+    # The network halves a patch twice and doubles it back: a side that is not a multiple of 4
+    # would fail in the trainer after the job had waited and downloaded; refuse it here.
+    "Patch height": ("patch_height", {"type": "integer", "minimum": 64, "maximum": 8192, "multipleOf": 4}),
+    "Patch width": ("patch_width", {"type": "integer", "minimum": 64, "maximum": 8192, "multipleOf": 4}),
     "Maximum time (D-HH:MM)": ("max_time", {"type": "string", "maxLength": 16}),
     "Maximum memory (MB)": ("max_memory_mb", {"type": "integer", "minimum": 1024, "maximum": 64_000_000}),
     "CPUs": ("cpus", {"type": "integer", "minimum": 1, "maximum": 4096}),
@@ -183,6 +185,8 @@ def _describe(error: jsonschema.ValidationError) -> str:
         return f"{where!r} must be of type {error.validator_value}"
     if error.validator in {"minimum", "maximum"}:
         return f"{where!r} must be {'>=' if error.validator == 'minimum' else '<='} {error.validator_value}"
+    if error.validator == "multipleOf":
+        return f"{where!r} must be a multiple of {error.validator_value}, not {error.instance}"
     return f"{where!r}: {error.message}"
 
 

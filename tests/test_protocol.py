@@ -78,6 +78,8 @@ def test_settings_are_taken_and_integral_floats_become_int() -> None:
         ({"CPUs": True}, "must be of type integer"),
         ({"CPUs": 0}, "must be >= 1"),
         ({"Patch height": 32}, "must be >= 64"),
+        ({"Patch height": 65}, "'settings/Patch height' must be a multiple of 4, not 65"),
+        ({"Patch width": 130}, "'settings/Patch width' must be a multiple of 4, not 130"),
         ({"Maximum number of samples per label": 99}, ">= 100"),
         ({"Maximum memory (MB)": 512}, ">= 1024"),
         ({"Maximum number of training epochs": 10**12}, "<="),

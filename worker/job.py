@@ -311,16 +311,19 @@ def train(
     except Exception as exc:
         raise StepFailed("reading the input images", exc) from exc
     s = params.settings
-    settings = TrainSettings(
-        epochs=int(s["epochs"]),
-        max_samples_per_label=int(s["max_samples_per_label"]),
-        patch_height=int(s["patch_height"]),
-        patch_width=int(s["patch_width"]),
-        batch_size=int(s.get("batch_size", 16)),
-        patience=int(s.get("patience", 3)),
-        include_optimizer=params.save_optimizer,
-        seed=params.seed,
-    )
+    try:
+        settings = TrainSettings(
+            epochs=int(s["epochs"]),
+            max_samples_per_label=int(s["max_samples_per_label"]),
+            patch_height=int(s["patch_height"]),
+            patch_width=int(s["patch_width"]),
+            batch_size=int(s.get("batch_size", 16)),
+            patience=int(s.get("patience", 3)),
+            include_optimizer=params.save_optimizer,
+            seed=params.seed,
+        )
+    except (ValueError, KeyError, TypeError) as exc:
+        raise StepFailed("reading the training settings", exc) from exc
     out_dir = workdir / "models"
     out_dir.mkdir()
     try:
