@@ -17,7 +17,11 @@ def main(argv: list[str] | None = None) -> int:
         epilog="example: hpc-worker run ~/hpc-bridge-spool/params/2f1c...json",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run the job described by a parameter file (the file is deleted)")
+    run = sub.add_parser(
+        "run",
+        help="run the job described by a parameter file (the file is deleted)",
+        epilog="example (what the batch script runs): hpc-worker run ~/hpc-bridge-spool/params/2f1c...json",
+    )
     run.add_argument("params", type=Path, help="the 0600 parameter file written by hpc-bridge")
     run.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
