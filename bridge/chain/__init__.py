@@ -7,7 +7,7 @@ warns it with ``SIGUSR1`` when its time is nearly up. The command exits ``0`` wh
 finished (the rest of the chain is cancelled), ``75`` (``EX_TEMPFAIL``) to continue in the next
 link, anything else to fail the chain. Everything lives in one run directory; ``chain.log``
 holds one JSON event per line. No broker, no Rodan, no credentials. The full contract is in
-``deploy/examples/README.md``.
+``docs/researcher-guide.md``.
 
 Modules: :mod:`~bridge.chain.settings` (options, :class:`ChainSettings`, the contract's
 constants), :mod:`~bridge.chain.rundir` (:class:`RunDir`, :class:`ChainLog`),

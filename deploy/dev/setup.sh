@@ -50,9 +50,10 @@ else
     say "RabbitMQ is up"
 fi
 
-# --- tools the tests use (shellcheck on run_check, logrotate -d on its config, openssl for the TLS test)
+# --- tools the tests use (shellcheck on run_check, logrotate -d on its config, openssl for the TLS test,
+# cron for the operator guide's deployment, started by deploy/dev/follow_guide.py)
 missing=()
-for pkg in shellcheck logrotate openssl; do
+for pkg in shellcheck logrotate openssl cron; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing+=("$pkg")
 done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -11,7 +11,7 @@ same weights as one uninterrupted run: the checkpoint holds the random generator
     hpc-bridge chain --jobs 3 --time 10 --wait -- python deploy/examples/train_chain.py --total-steps 20000
     python deploy/examples/train_chain.py --total-steps 200     # locally: checkpoints in ./checkpoints
 
-See deploy/examples/README.md for the contract.
+See docs/researcher-guide.md for the contract.
 """
 
 from __future__ import annotations

@@ -1,0 +1,217 @@
+#!/usr/bin/env python3
+"""Follow docs/operator-guide.md exactly, as a newcomer would, on this machine (development only).
+
+Run as root on a machine set up by deploy/dev/setup.sh (RabbitMQ, Slurm, cron)::
+
+    python3 deploy/dev/follow_guide.py --settings settings.json [--user hpcguide] [--section Install]
+
+It makes a fresh unprivileged account (deleting an old one of that name and everything it owns),
+starts cron if it is not running, snapshots this working tree (uncommitted and untracked files
+included, without touching the index) into a git repository the account can clone, and then runs
+every ```bash block of the guide's chosen sections, in order, as that account in a login shell,
+with ``set -euo pipefail``. A failing block stops the run (exit 1) with its output.
+
+What the guide leaves to the reader is given here:
+
+- ``HPC_BRIDGE_REPO``: the snapshot's path;
+- ``EDITOR``: a non-interactive editor that types the settings of ``--settings`` (a JSON object
+  NAME -> value) into credentials.env the way a person would: a ``NAME=`` or ``# NAME=`` line is
+  replaced, anything else is appended.
+
+``--cleanup`` removes the account, its crontab, its processes and its scheduler jobs instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+GUIDE = ROOT / "docs" / "operator-guide.md"
+STATE = Path("/var/lib/hpc-bridge-dev/follow-guide")
+FENCE = re.compile(r"^```bash\n(.*?)^```$", re.MULTILINE | re.DOTALL)
+
+EDITOR = '''#!/usr/bin/env python3
+"""Types the settings in $GUIDE_SETTINGS into the file given (what a person does in an editor)."""
+import json, os, re, sys
+path = sys.argv[-1]
+settings = json.load(open(os.environ["GUIDE_SETTINGS"]))
+lines = open(path).read().splitlines()
+for name, value in settings.items():
+    pattern = re.compile(r"^#? ?" + re.escape(name) + "=")
+    for i, line in enumerate(lines):
+        if pattern.match(line):
+            lines[i] = f"{name}={value}"
+            break
+    else:
+        lines.append(f"{name}={value}")
+open(path, "w").write("\\n".join(lines) + "\\n")
+'''
+
+
+def say(text: str) -> None:
+    print(f"[follow_guide {time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+
+def run(argv: list[str], timeout: float = 120, check: bool = True, **kw: object) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kw)  # type: ignore[call-overload]
+    if check and result.returncode != 0:
+        raise SystemExit(f"{' '.join(argv)} failed ({result.returncode}):\n{result.stdout}{result.stderr}")
+    return result  # type: ignore[no-any-return]
+
+
+def blocks(guide: Path, sections: list[str]) -> list[tuple[str, str]]:
+    """(section title, code) of every ```bash block under the '## ' sections named (all if none)."""
+    out: list[tuple[str, str]] = []
+    parts = re.split(r"^## (.+)$", guide.read_text(), flags=re.MULTILINE)
+    for title, body in zip(parts[1::2], parts[2::2], strict=True):
+        if not sections or title.strip() in sections:
+            out.extend((title.strip(), match.group(1)) for match in FENCE.finditer(body))
+    return out
+
+
+def snapshot(dest: Path, owner: str) -> None:
+    """The working tree as a commit on ``main`` of the repository at ``dest`` (made if missing).
+
+    A second snapshot is a child of the first, so the guide's ``git pull --ff-only`` sees a release.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "GIT_INDEX_FILE": str(Path(tmp) / "index")}
+        git = ["git", "-C", str(ROOT)]
+        run([*git, "add", "-A"], env=env)
+        tree = run([*git, "write-tree"], env=env).stdout.strip()
+        if dest.exists():  # root works on it (git refuses a repository another user owns), then hands it back
+            run(["chown", "-R", "root:root", str(dest)])
+        else:
+            run(["git", "init", "-q", "--bare", "-b", "main", str(dest)])
+        bare = ["git", "-C", str(dest)]
+        parent = run([*bare, "rev-parse", "-q", "--verify", "refs/heads/main"], check=False).stdout.strip()
+        if parent:  # commit-tree needs the parent's object here (the fetch only writes FETCH_HEAD)
+            run([*git, "fetch", "-q", str(dest), "main"])
+        ident = {"GIT_AUTHOR_NAME": "guide", "GIT_AUTHOR_EMAIL": "guide@localhost"}
+        ident |= {"GIT_COMMITTER_NAME": "guide", "GIT_COMMITTER_EMAIL": "guide@localhost"}
+        parents = ["-p", parent] if parent else []
+        commit = run([*git, "commit-tree", tree, *parents, "-m", "working tree for follow_guide"], env={**env, **ident})
+        run([*git, "push", "-q", "-f", str(dest), f"{commit.stdout.strip()}:refs/heads/main"])
+    run(["chown", "-R", f"{owner}:{owner}", str(dest)])
+
+
+def given_dir(user: str) -> Path:
+    """Where the reader's inputs for ``user`` live (a root-owned parent, so nobody else can plant them)."""
+    return STATE / user
+
+
+def user_exists(user: str) -> bool:
+    return run(["id", "-u", user], check=False).returncode == 0
+
+
+def cleanup(user: str) -> None:
+    if not user_exists(user):
+        return
+    run(["crontab", "-r", "-u", user], check=False)
+    for cancel in (["scancel", "-u", user], ["qdel", "-u", user]):
+        if shutil.which(cancel[0]):
+            run(cancel, check=False)
+    run(["pkill", "-KILL", "-u", user], check=False)
+    time.sleep(0.5)
+    run(["userdel", "-r", "-f", user], check=False)
+    shutil.rmtree(given_dir(user), ignore_errors=True)
+    say(f"account {user} removed")
+
+
+def ensure_cron() -> None:
+    if shutil.which("cron") is None and not Path("/usr/sbin/cron").exists():
+        say("installing cron")
+        run(
+            ["apt-get", "install", "-y", "-qq", "cron"],
+            timeout=600,
+            env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
+        )
+    if run(["pgrep", "-x", "cron"], check=False).returncode != 0:
+        run(["/usr/sbin/cron"])  # no systemd here: it daemonizes itself
+        say("cron started")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--user", default="hpcguide", help="the account to create (default hpcguide)")
+    parser.add_argument("--settings", type=Path, help="JSON object of credentials.env settings to type in")
+    parser.add_argument(
+        "--section", action="append", default=[], help="a '## ' section to follow (repeatable; default all)"
+    )
+    parser.add_argument("--cleanup", action="store_true", help="remove the account and everything it left, then exit")
+    parser.add_argument(
+        "--keep-account",
+        action="store_true",
+        help="follow on the account as a previous run left it (e.g. --section Upgrade after Install); "
+        "the working tree becomes a new commit the account can pull",
+    )
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        print("follow_guide.py: run as root (it creates the account the guide is followed as)", file=sys.stderr)
+        return 2
+    if args.cleanup:
+        cleanup(args.user)
+        return 0
+    if args.settings is None:
+        parser.error("--settings is required")
+
+    given = given_dir(args.user)  # what the reader brings: the repository to clone, an editor
+    if args.keep_account:
+        if not user_exists(args.user):
+            parser.error(f"--keep-account: there is no account {args.user}")
+    else:
+        cleanup(args.user)
+        shutil.rmtree(given, ignore_errors=True)
+        run(["useradd", "--create-home", "--shell", "/bin/bash", args.user])
+    home = Path(run(["getent", "passwd", args.user]).stdout.split(":")[5])
+    say(f"{'the' if args.keep_account else 'fresh'} account {args.user} ({home})")
+    ensure_cron()
+
+    STATE.mkdir(mode=0o755, parents=True, exist_ok=True)
+    given.mkdir(mode=0o700, exist_ok=True)
+    repo = given / "hpc-bridge.git"
+    snapshot(repo, args.user)
+    (given / "editor").write_text(EDITOR)
+    (given / "editor").chmod(0o755)
+    shutil.copy(args.settings, given / "settings.json")
+    (given / "settings.json").chmod(0o600)
+    run(["chown", "-R", f"{args.user}:{args.user}", str(given)])
+
+    reader = f"export HPC_BRIDGE_REPO={repo} EDITOR={given / 'editor'} GUIDE_SETTINGS={given / 'settings.json'}\n"
+    steps = blocks(GUIDE, args.section)
+    if not steps:
+        say(f"no ```bash blocks in the sections {args.section}")
+        return 1
+    for number, (section, code) in enumerate(steps, 1):
+        first = code.strip().splitlines()[0]
+        say(f"block {number}/{len(steps)} ({section}): {first}{' ...' if code.strip().count(chr(10)) else ''}")
+        started = time.monotonic()
+        # A login shell, as the reader has: HOME, USER and the login PATH, nothing of root's.
+        result = subprocess.run(
+            ["runuser", "-l", args.user, "-c", "bash -euo pipefail"],
+            input=reader + "cd ~\n" + code,
+            capture_output=True,
+            text=True,
+            timeout=1200,
+        )
+        output = (result.stdout + result.stderr).rstrip()
+        if output:
+            print("    " + output.replace("\n", "\n    "), flush=True)
+        if result.returncode != 0:
+            say(f"block {number} failed with exit {result.returncode} after {time.monotonic() - started:.0f} s")
+            return 1
+        say(f"block {number} done in {time.monotonic() - started:.0f} s")
+    say(f"followed {len(steps)} blocks of {GUIDE.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

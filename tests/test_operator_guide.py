@@ -1,0 +1,124 @@
+"""docs/operator-guide.md, followed exactly by a newcomer's account, gives a working cron deployment.
+
+deploy/dev/follow_guide.py runs every ```bash block of the guide's install sections as a fresh,
+unprivileged account (clone, two venvs, credentials.env, doctor, a pass by hand, crontab, log
+rotation). Then Rodan publishes a request and the reply must come back through what cron runs:
+nobody here calls the bridge. Needs root (to create the account) and cron (set-up installs it).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import FAST_SETTINGS, RODAN_EMAIL, RODAN_PASSWORD, wait_until
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLLOW = ROOT / "deploy" / "dev" / "follow_guide.py"
+USER = "hpcguide"
+pytestmark = [pytest.mark.slow, pytest.mark.broker, pytest.mark.slurm]
+
+
+def _follow(*args: str, timeout: float = 1500) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(FOLLOW), "--user", USER, *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _as_user(command: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["runuser", "-l", USER, "-c", command], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="creates a system account and a crontab: run as root (CI does)")
+def test_following_the_operator_guide_gives_a_working_cron_deployment(
+    broker_url, standin, queues, rodan, sample_inputs, slurm, tmp_path
+):
+    settings = {
+        "RABBITMQ_URL": broker_url,
+        "RODAN_HOST": standin.host_port,
+        "RODAN_SCHEME": "http",
+        "RODAN_USER": RODAN_EMAIL,
+        "RODAN_PASSWORD": RODAN_PASSWORD,
+        "HPC_WORKER_PYTHON": f"/home/{USER}/hpc-bridge/worker-venv/bin/python",
+        "HPC_LOG_FILE": "~/hpc-bridge/logs/bridge.log",
+        "HPC_METRICS_FILE": "~/hpc-bridge/metrics/hpc_bridge.prom",
+        "HPC_SCHEDULER": "slurm",
+        # Not in the guide's table: this test's own queues, so that it shares the broker safely.
+        "HPC_REQUEST_QUEUE": queues.request,
+        "HPC_REPLY_QUEUE": queues.reply,
+        "HPC_DEAD_LETTER_QUEUE": queues.dead,
+    }
+    (tmp_path / "settings.json").write_text(json.dumps(settings))
+    home = Path(f"/home/{USER}")
+    try:
+        followed = _follow("--settings", str(tmp_path / "settings.json"), "--section", "Install")
+        assert followed.returncode == 0, followed.stdout[-6000:] + followed.stderr[-2000:]
+        out = followed.stdout
+        assert "doctor" in out and "FAIL" not in out, out[-4000:]
+
+        # What the guide built, as the guide says.
+        credentials = home / "hpc-bridge" / "credentials.env"
+        assert stat.S_IMODE(credentials.stat().st_mode) == 0o600
+        assert credentials.stat().st_uid == int(subprocess.check_output(["id", "-u", USER]))
+        values = [line for line in credentials.read_text().splitlines() if not line.startswith("#")]
+        assert not [line for line in values if "CHANGE_ME" in line]  # every placeholder replaced
+        crontab = _as_user("crontab -l").stdout
+        assert f"* * * * * {home}/hpc-bridge/deploy/run_check" in crontab.splitlines()
+        assert any("logrotate -s" in line for line in crontab.splitlines())
+        bridge_python = (home / "hpc-bridge" / ".venv" / "bin" / "python").resolve()
+        assert _as_user(f"{bridge_python} -c 'import tensorflow'").returncode != 0  # the login node stays light
+
+        # Rodan asks; only cron's passes and the job answer.
+        page = sample_inputs("new", n_layers=1, height=320, width=384, seed=8)
+        corr = rodan.publish_request(page, FAST_SETTINGS)
+        replies: dict[str, bytes] = {}
+
+        def answered() -> bool:
+            replies.update((c, body) for c, body, _ in rodan.drain() if c)
+            return corr in replies
+
+        wait_until(answered, timeout=420, interval=3, what="the reply, through cron")
+        reply = json.loads(replies[corr])
+        assert sorted(reply) == ["Background Model", "Model 0"], reply.get("error")
+        assert base64.b64decode(reply["Model 0"])[:8] == b"\x89HDF\r\n\x1a\n"
+
+        spool = home / "hpc-bridge-spool"
+        ledger = spool / "ledger" / f"{corr}.json"
+        # The worker published the reply; the next pass from cron records it.
+        record = wait_until(
+            lambda: (r := json.loads(ledger.read_text()))["state"] == "replied" and r,
+            timeout=150,
+            interval=3,
+            what="a pass from cron recording the reply",
+        )
+        assert record["outcome"] == "ok"
+        accounted = subprocess.run(
+            ["sacct", "-n", "-X", "-P", "-j", str(record["job_id"]), "-o", "User,State"], capture_output=True, text=True
+        ).stdout.split()
+        assert accounted[0] == f"{USER}|COMPLETED", accounted  # the job ran as the operator, not root
+        events = [
+            json.loads(line) for line in (home / "hpc-bridge" / "logs" / "run_check.log").read_text().splitlines()
+        ]
+        done = [e for e in events if e.get("event") == "run_check_done"]
+        assert len(done) >= 2 and all(e.get("exit_status") == 0 for e in done), done  # by hand + at least one from cron
+        bridge_log = (home / "hpc-bridge" / "logs" / "bridge.log").read_text()
+        assert f'"correlation_id": "{corr}"' in bridge_log and '"request_submitted"' in bridge_log
+        assert RODAN_PASSWORD not in bridge_log
+        status = _as_user("~/hpc-bridge/.venv/bin/hpc-bridge --credentials ~/hpc-bridge/credentials.env status")
+        assert status.returncode == 0 and "replied-ok" in status.stdout, status.stdout + status.stderr
+        assert (home / "hpc-bridge" / "metrics" / "hpc_bridge.prom").is_file()
+
+        # The guide's upgrade section on the live deployment: it ends with doctor passing.
+        upgraded = _follow("--settings", str(tmp_path / "settings.json"), "--section", "Upgrade", "--keep-account")
+        assert upgraded.returncode == 0, upgraded.stdout[-4000:] + upgraded.stderr[-2000:]
+        assert "FAIL" not in upgraded.stdout
+    finally:
+        _follow("--cleanup", timeout=120)
+    assert subprocess.run(["id", USER], capture_output=True).returncode != 0
