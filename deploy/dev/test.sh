@@ -12,4 +12,15 @@ echo "[test] ruff"
 echo "[test] mypy"
 .venv/bin/mypy
 echo "[test] pytest"
-exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "${HPC_TEST_WORKERS:-2}" --durations=20 "$@"
+# Two phases: everything that shares the services runs in parallel; the tests that stop a shared
+# service (marker "exclusive") run afterwards, alone. Both phases run; the exit status is the worst.
+status=0
+.venv/bin/python -m pytest -q -p no:cacheprovider -n "${HPC_TEST_WORKERS:-2}" --durations=20 -m "not exclusive" "$@" \
+    || status=$?
+echo "[test] pytest, tests that stop shared services (alone)"
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=10 -m exclusive "$@" || {
+    code=$?
+    # 5: no test selected (e.g. extra arguments named only other tests) is not a failure.
+    [ "$code" -eq 5 ] || status=$code
+}
+exit "$status"
