@@ -47,6 +47,22 @@ def peek(broker_url: str, queue: str) -> list[tuple[str | None, str | None, dict
     return seen
 
 
+def status(env: dict[str, str], *args: str) -> tuple[dict[str, dict[str, Any]], dict[str, int], list[str]]:
+    """``hpc-bridge status``: its JSON rows by correlation id, its counters, and its table's lines."""
+    result = ops(env, "status", "--json", *args)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    table = ops(env, "status", *args)
+    assert table.returncode == 0, table.stderr
+    assert all(len(line) <= 80 for line in table.stdout.splitlines()), table.stdout
+    return {r["correlation_id"]: r for r in data["requests"]}, data["counters"], table.stdout.splitlines()
+
+
+def row_of(lines: list[str], corr: str) -> list[str]:
+    (line,) = [line for line in lines if line.startswith(corr[:8])]
+    return line.split()
+
+
 def events(log: Path, name: str) -> list[dict[str, Any]]:
     lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
     return [e for e in lines if e.get("event") == name]
@@ -106,6 +122,16 @@ def test_requeue_after_rodan_refused_the_account_needs_force_then_submits(
     assert "Rodan refused the HPC account" in json.loads(next(b for c, b, _h in replies if c == corr))["error"]
     ledger = spool / "ledger" / f"{corr}.json"
     assert json.loads(ledger.read_text())["state"] == "rejected"
+    # status: both are rejected and dead-lettered, in the table and the JSON.
+    rows, counters, lines = status(env, "--no-scheduler")
+    assert {c: (r["state"], r["dead_lettered"], r["job_id"]) for c, r in rows.items()} == {
+        corr: ("rejected", True, ""),
+        other: ("rejected", True, ""),
+    }
+    assert "Rodan refused the HPC account" in rows[corr]["last_event"]
+    assert (counters["rejected"], counters["dead_lettered"], counters["submitted"]) == (2, 2, 0)
+    assert row_of(lines, corr)[2:4] == ["-", "rejected"] and row_of(lines, other)[2:4] == ["-", "rejected"]
+    assert lines[-1].split()[5:7] == ["dead-letter", "2"], lines[-1]
 
     # Rodan already has its answer: a second one is refused without --force, and nothing moves.
     refused = ops(env, "requeue-dead", "--yes", "--id", corr[:8])
@@ -125,10 +151,29 @@ def test_requeue_after_rodan_refused_the_account_needs_force_then_submits(
     assert list((spool / "replies").glob(f"{corr}.json.superseded-*"))
     (event,) = events(tmp_path / "bridge.log", "dead_letter_requeued")
     assert event["correlation_id"] == corr and event["previous_state"] == "rejected"
+    # status: the requeued request is queued afresh and no longer dead-lettered; the other stays
+    # (the replies were drained above: Rodan took them).
+    rows, counters, lines = status(env, "--no-scheduler")
+    assert (rows[corr]["state"], rows[corr]["dead_lettered"], rows[corr]["reason"]) == ("queued", False, "")
+    assert (rows[other]["state"], rows[other]["dead_lettered"]) == ("rejected", True)
+    assert (counters["rejected"], counters["dead_lettered"]) == (1, 1)
+    assert row_of(lines, corr)[2:4] == ["-", "queued"] and row_of(lines, other)[3] == "rejected"
+    assert lines[-1].split()[1:7] == ["request", "1", "reply", "0", "dead-letter", "1"], lines[-1]
 
     check(env)  # the right password now: the request is submitted to the real Slurm
     record = json.loads(ledger.read_text())
     assert record["state"] == "submitted" and record["job_id"], record
+    rows, counters, lines = status(env)  # with the live Slurm state
+    assert rows[corr]["state"] in ("submitted", "pending", "running"), rows[corr]
+    assert (rows[corr]["scheduler"], rows[corr]["job_id"], rows[corr]["dead_lettered"]) == (
+        "slurm",
+        record["job_id"],
+        False,
+    )
+    # (the table is another process: the job may have started in between)
+    job_column, table_state = row_of(lines, corr)[2:4], row_of(lines, corr)[4]
+    assert job_column == ["slurm", record["job_id"]] and table_state in ("submitted", "pending", "running"), lines
+    assert (counters["submitted"], counters["rejected"], counters["dead_lettered"]) == (1, 1, 1)
     assert rodan.depth(queues.request) == 0 and [x[0] for x in peek(broker_url, queues.dead)] == [other]
     # --all without --force skips what was answered already, and leaves it queued.
     again = ops(env, "requeue-dead", "--yes", "--all")

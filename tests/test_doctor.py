@@ -253,3 +253,56 @@ def test_broker_over_tls(tmp_path: Path, deployment: dict[str, str], request: py
     assert rc == 1
     assert checks["broker"]["status"] == "FAIL" and "TLS handshake" in checks["broker"]["found"]
     assert "RABBITMQ_CA_FILE" in checks["broker"]["fix"]
+
+
+# --- Grid Engine ---------------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("gridengine")
+def test_healthy_grid_engine_deployment_passes(tmp_path: Path, deployment: dict[str, str]) -> None:
+    rc, output, checks = doctor(tmp_path, dict(deployment, HPC_SCHEDULER="gridengine"), "--json", "--skip-worker")
+    assert rc == 0, output
+    assert [c for c in checks.values() if c["status"] == "FAIL"] == []
+    commands, scheduler = checks["scheduler-commands"], checks["scheduler"]
+    assert commands["status"] == "ok" and "qsub, qstat, qacct, qdel found" in commands["found"], commands
+    assert scheduler["status"] == "ok" and scheduler["found"].startswith("Grid Engine answers: "), scheduler
+    assert "all.q: " in scheduler["found"] and " slots used" in scheduler["found"], scheduler  # from qstat -g c
+    assert checks["template"]["status"] == "ok" and "Grid Engine batch script renders" in checks["template"]["found"]
+
+
+def _hanging_qstat(tmp_path: Path) -> dict[str, str]:
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    hanging = fake / "qstat"
+    hanging.write_text("#!/bin/sh\nexec sleep 60\n")  # exec: the timeout kills the sleep itself
+    hanging.chmod(0o755)
+    return {"PATH": f"{fake}{os.pathsep}{os.environ['PATH']}", "HPC_SCHEDULER_TIMEOUT": "1"}
+
+
+@pytest.mark.usefixtures("gridengine")
+@pytest.mark.parametrize(
+    ("how", "says"),
+    [
+        ("qmaster port closed", "unable to send message to qmaster using port 1"),
+        ("no such cell", 'cell directory "'),
+        ("qstat hangs", "timed out"),
+    ],
+)
+def test_grid_engine_not_answering(tmp_path: Path, deployment: dict[str, str], how: str, says: str) -> None:
+    env = {
+        "qmaster port closed": {"SGE_QMASTER_PORT": "1"},
+        "no such cell": {"SGE_CELL": "no-such-cell"},
+        "qstat hangs": _hanging_qstat(tmp_path),
+    }[how]
+    rc, output, checks = doctor(
+        tmp_path, dict(deployment, HPC_SCHEDULER="gridengine"), "--json", "--skip-worker", env=env
+    )
+    assert rc == 1, output
+    assert checks["scheduler-commands"]["status"] == "ok"
+    scheduler = checks["scheduler"]
+    assert scheduler["status"] == "FAIL", scheduler
+    assert scheduler["found"].startswith("Grid Engine is not answering: ") and says in scheduler["found"], scheduler
+    assert "sge_qmaster runs" in scheduler["fix"] and "SGE_ROOT, SGE_CELL and SGE_QMASTER_PORT" in scheduler["fix"]
+    assert "HPC_SCHEDULER_TIMEOUT" in scheduler["fix"]
+    # Only the scheduler failed: the rest of the deployment is judged as healthy.
+    assert [name for name, c in checks.items() if c["status"] == "FAIL"] == ["scheduler"]

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from bridge.standin.server import token_for_email
 from tests.conftest import (
@@ -344,6 +345,25 @@ LONG = {
 }
 
 
+def status(h: Harness, *args: str) -> tuple[dict[str, dict[str, Any]], dict[str, int], list[str]]:
+    """``hpc-bridge status ARGS`` with the harness's settings: (rows by correlation id, counters) of
+    its JSON with --json, else the table's lines (at most 80 columns each)."""
+    result = run_bridge(h.env, "status", *args, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    if "--json" in args:
+        data = json.loads(result.stdout)
+        return {r["correlation_id"]: r for r in data["requests"]}, data["counters"], []
+    lines = result.stdout.splitlines()
+    assert all(len(line) <= 80 for line in lines), result.stdout
+    return {}, {}, lines
+
+
+def row_of(lines: list[str], corr: str) -> list[str]:
+    """The words of the one table row of this request."""
+    (line,) = [line for line in lines if line.startswith(corr[:8])]
+    return line.split()
+
+
 def models_of(reply: dict[str, Any], where: Path) -> dict[str, list[np.ndarray]]:
     import keras
 
@@ -370,12 +390,30 @@ def test_training_longer_than_one_job_continues_and_equals_an_uninterrupted_run(
     # Warned 30 s into a one-minute job (the most a warning may take: half the limit), so each job
     # trains ~10-15 s after its start-up; the training needs 70-90 s on these 2 cores, so the first
     # job is cut even on a machine several times faster.
-    harness.env.update(HPC_WARN_SECONDS="30", HPC_TRAINING_SEED="20261126", HPC_MAX_CONTINUATIONS="8")
+    harness.env.update(HPC_WARN_SECONDS="30", HPC_TRAINING_SEED="20261126", HPC_MAX_CONTINUATIONS="20")
+    metrics = tmp_path / "hpc_bridge.prom"
+    harness.env["HPC_METRICS_FILE"] = str(metrics)
     page = sample_inputs("new", n_layers=1, height=320, width=384, seed=12)
     work = {**LONG, "Maximum number of samples per label": 1500}
     continued = rodan.publish_request(page, {**work, "Maximum time (D-HH:MM)": "0-00:01"})
     reference = rodan.publish_request(page, {**work, "Maximum time (D-HH:MM)": "0-00:15"})
-    harness.drive([continued, reference], timeout=900)
+    # Between cron passes, ``status`` as an operator runs it, once the ledger has counted a
+    # continuation and until status has shown it (the state stays "continued" until the reply).
+    # Not before: the first job trains only a few seconds, and every process takes its share of
+    # the 2 cores.
+    shown_continued: list[tuple[dict[str, Any], dict[str, Any], list[str]]] = []
+
+    def watch_status() -> None:
+        if shown_continued or not harness.ledger(continued)["continuations"]:
+            return
+        rows, _counters, _lines = status(harness, "--json")
+        record = harness.ledger(continued)  # no pass runs meanwhile: the ledger is what status read
+        assert rows[continued]["continuations"] == record["continuations"], (rows[continued], record)
+        assert rows[reference]["continuations"] == 0 and rows[reference]["state"] != "continued", rows[reference]
+        if rows[continued]["state"] == "continued":
+            shown_continued.append((rows[continued], record, status(harness)[2]))
+
+    harness.drive([continued, reference], timeout=900, during=watch_status)
     time.sleep(3)
     harness.check()
     harness.collect()
@@ -410,6 +448,45 @@ def test_training_longer_than_one_job_continues_and_equals_an_uninterrupted_run(
     for key in want:
         for a, b in zip(got[key], want[key], strict=True):
             np.testing.assert_array_equal(a, b, err_msg=key)
+
+    # What ``status`` showed while the training went on in its next job.
+    assert shown_continued, "status never showed the continued request as continued"
+    (row, seen, lines) = shown_continued[0]
+    assert row["continuations"] == seen["continuations"] >= 1
+    assert (row["scheduler"], row["job_id"], row["job_ids"]) == (cluster.name, seen["job_id"], seen["job_ids"])
+    short = {"slurm": "slurm", "gridengine": "sge"}[cluster.name]
+    assert row_of(lines, continued)[2:6] == [short, seen["job_id"], "continued", f"{seen['continuations']}x"]
+    # ... and once both replied: status, its counters and the metrics file say what happened.
+    rows, counters, lines = status(harness, "--json")
+    ledgers = {corr: harness.ledger(corr) for corr in (continued, reference)}
+    assert {corr: (r["state"], r["continuations"], r["scheduler"], r["job_id"]) for corr, r in rows.items()} == {
+        corr: ("replied-ok", ledgers[corr]["continuations"], cluster.name, ledgers[corr]["job_id"]) for corr in ledgers
+    }
+    assert rows[continued]["continuations"] == record["continuations"] >= 1 and rows[reference]["continuations"] == 0
+    assert counters == {
+        "received": 2,
+        "submitted": 2,
+        "replied_ok": 2,
+        "replied_error": 0,
+        "rejected": 0,
+        "dead_lettered": 0,
+        "continuations": record["continuations"],
+    }
+    lines = status(harness)[2]
+    for corr in (continued, reference):
+        assert row_of(lines, corr)[2:5] == [short, ledgers[corr]["job_id"], "replied-ok"], lines
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(metrics.read_text())
+        for s in family.samples
+    }
+    assert samples[("hpc_bridge_requests_total", (("outcome", "replied_ok"),))] == 2
+    assert samples[("hpc_bridge_requests_total", (("outcome", "replied_error"),))] == 0
+    assert samples[("hpc_bridge_requests_total", (("outcome", "submitted"),))] == 2
+    assert samples[("hpc_bridge_continuations_total", ())] == record["continuations"]
+    assert samples[("hpc_bridge_ledger_requests", (("state", "replied-ok"),))] == 2
+    assert samples[("hpc_bridge_ledger_requests", (("state", "continued"),))] == 0
+    assert samples[("hpc_bridge_reply_latency_seconds_count", ())] == 2
 
 
 @pytest.mark.training

@@ -122,6 +122,37 @@ def test_display_state_and_metrics_text() -> None:
     assert samples[("hpc_bridge_broker_reconnects_total", ())] == 1
 
 
+def test_display_state_reads_the_schedulers_own_words() -> None:
+    """The ledger keeps each scheduler's own word for the last state seen (Grid Engine: letters)."""
+
+    def rec(scheduler: str, job_state: str, **kw: object) -> RequestRecord:
+        return RequestRecord(
+            correlation_id="c", key="k", reply_to="q", state=RequestState.SUBMITTED, job_id="5",
+            scheduler=scheduler, job_state=job_state, **kw,  # type: ignore[arg-type]
+        )  # fmt: skip
+
+    ge = {"r": "running", "Rr": "running", "t": "running", "qw": "pending", "hqw": "pending", "s": "pending"}
+    assert {word: display_state(rec("gridengine", word)) for word in [*ge, "Eqw", ""]} == {
+        **ge,
+        "Eqw": "submitted",
+        "": "submitted",
+    }
+    slurm = {"RUNNING": "running", "COMPLETING": "running", "PENDING": "pending", "CANCELLED by 0": "submitted"}
+    assert {word: display_state(rec("slurm", word)) for word in slurm} == slurm
+    # A live state (already a JobState value) wins over the ledger's word, on either scheduler.
+    assert display_state(rec("gridengine", "qw"), "RUNNING") == "running"
+    assert display_state(rec("gridengine", "r"), "PENDING") == "pending"
+    assert display_state(rec("gridengine", "r", continuations=1)) == "continued"
+    text = render([rec("gridengine", "r")], outbox=0, now=1.0)
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert samples[("hpc_bridge_ledger_requests", (("state", "running"),))] == 1
+    assert samples[("hpc_bridge_ledger_requests", (("state", "submitted"),))] == 0
+
+
 # --- on the real broker and Slurm ---------------------------------------------------------------
 
 
@@ -256,6 +287,92 @@ def test_status_and_metrics_on_real_requests(broker_url, standin, queues, rodan,
     finally:
         standin.clear_faults()
         cancel_ledger_jobs(spool, Cluster("slurm"))
+
+
+@pytest.mark.broker
+def test_status_shows_live_grid_engine_jobs(broker_url, standin, queues, rodan, sample_inputs, tmp_path, gridengine):
+    cluster = Cluster("gridengine")
+    spool = tmp_path / "spool"
+    metrics = tmp_path / "hpc_bridge.prom"
+    env = bridge_environ(
+        broker_url,
+        standin,
+        queues,
+        spool,
+        HPC_SCHEDULER="gridengine",
+        HPC_LOG_FILE=str(tmp_path / "bridge.log"),
+        HPC_METRICS_FILE=str(metrics),
+    )
+    sleeper = tmp_path / "sleeper"
+    sleeper.write_text("#!/bin/sh\nexec sleep 120\n")
+    sleeper.chmod(0o755)
+    page = sample_inputs("new", n_layers=1, seed=21)
+
+    def check(**extra: str) -> None:
+        result = run_bridge({**env, **extra}, "check")
+        assert result.returncode == 0, result.stderr[-2000:]
+
+    def job_of(corr: str) -> str:
+        return str(json.loads((spool / "ledger" / f"{corr}.json").read_text())["job_id"])
+
+    try:
+        running = rodan.publish_request(page, FAST_SETTINGS)
+        check(HPC_WORKER_PYTHON=str(sleeper))
+        held = rodan.publish_request(page, FAST_SETTINGS)
+        check(HPC_SCHEDULER_ARGS="-h")  # qsub -h: held, pending until deleted
+        jobs = {running: job_of(running), held: job_of(held)}
+        assert all(jobs.values()), jobs
+        wait_until(lambda: cluster.is_running(jobs[running]), timeout=60, interval=1, what="the sleeper running")
+        check()  # reconciliation records the states it saw (qstat's letters) and writes the metrics
+        expected = {running: "running", held: "pending"}
+
+        code, out = _status(env)
+        assert code == 0, out
+        lines = out.splitlines()
+        assert all(len(line) <= 80 for line in lines), out
+        rows = {line[:8]: line.split() for line in lines[1:] if not line.startswith("queues:")}
+        assert set(rows) == {running[:8], held[:8]}, out
+        for corr, state in expected.items():
+            assert rows[corr[:8]][2:5] == ["sge", jobs[corr], state], rows[corr[:8]]
+
+        code, out = _status(env, "--json")
+        assert code == 0, out
+        data = json.loads(out)
+        by_id = {r["correlation_id"]: r for r in data["requests"]}
+        assert {c: r["state"] for c, r in by_id.items()} == expected
+        assert {c: (r["scheduler"], r["job_id"]) for c, r in by_id.items()} == {
+            c: ("gridengine", j) for c, j in jobs.items()
+        }
+        assert by_id[running]["job_state"] == "RUNNING" and by_id[held]["job_state"] == "PENDING"
+        assert data["notes"] == []
+        assert data["counters"]["submitted"] == 2 and data["counters"]["replied_ok"] == 0
+
+        # Without asking Grid Engine, and with Grid Engine unreachable: the states last seen
+        # (the ledger keeps qstat's own letters, r and hqw) are read the same way.
+        code, out = _status(env, "--json", "--no-scheduler")
+        assert code == 0, out
+        assert {r["correlation_id"]: r["state"] for r in json.loads(out)["requests"]} == expected
+        code, out = _status({**env, "SGE_QMASTER_PORT": "1"}, "--json")
+        assert code == 0, out
+        data = json.loads(out)
+        assert {r["correlation_id"]: r["state"] for r in data["requests"]} == expected
+        (note,) = data["notes"]
+        assert note.startswith("scheduler did not answer") and "states are the last ones seen" in note, note
+        code, out = _status({**env, "SGE_QMASTER_PORT": "1"})
+        assert code == 0 and "scheduler did not answer" in out, out
+
+        # The metrics the last check wrote count the same states.
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(metrics.read_text())
+            for s in family.samples
+        }
+        assert samples[("hpc_bridge_ledger_requests", (("state", "running"),))] == 1
+        assert samples[("hpc_bridge_ledger_requests", (("state", "pending"),))] == 1
+        assert samples[("hpc_bridge_ledger_requests", (("state", "submitted"),))] == 0
+        assert samples[("hpc_bridge_requests_total", (("outcome", "submitted"),))] == 2
+    finally:
+        cancel_ledger_jobs(spool, cluster)
 
 
 def test_metrics_file_is_not_written_without_the_setting(tmp_path: Path) -> None:

@@ -405,12 +405,19 @@ def check_scheduler(config: BridgeConfig) -> list[Check]:
         answer = scheduler.ping()
     except SchedulerUnavailable as exc:
         controller = "slurmctld" if config.scheduler == "slurm" else "sge_qmaster"
+        # Grid Engine's commands find the qmaster through the cell's settings (its settings.sh sets them).
+        found_by = (
+            ""
+            if config.scheduler == "slurm"
+            else ", and that SGE_ROOT, SGE_CELL and SGE_QMASTER_PORT are the cell's (source its settings.sh in "
+            "the cron/systemd environment)"
+        )
         return [
             commands,
             fail(
                 "scheduler",
                 f"{label} is not answering: {exc}",
-                f"check that {controller} runs and this node reaches it; if it is only slow, raise "
+                f"check that {controller} runs and this node reaches it{found_by}; if it is only slow, raise "
                 f"HPC_SCHEDULER_TIMEOUT (now {config.scheduler_timeout_s:g} s)",
             ),
         ]

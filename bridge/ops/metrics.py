@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bridge.ledger import RequestRecord, RequestState
+from bridge.schedulers import gridengine, slurm
+from bridge.schedulers.base import JobState
 from bridge.spool import Spool, atomic_write
 
 #: Request states as operators see them (``hpc-bridge status --state``), in lifecycle order.
@@ -31,6 +33,18 @@ STATES: tuple[str, ...] = (
 )
 #: Reply latency buckets in seconds: a minute to three days.
 LATENCY_BUCKETS: tuple[float, ...] = (60, 300, 900, 1800, 3600, 7200, 21600, 43200, 86400, 259200)
+_JOB_STATES = frozenset(s.value for s in JobState)
+_TRANSLATE = {"slurm": slurm.translate, "gridengine": gridengine.translate}
+
+
+def job_state_word(scheduler: str, state: str) -> str:
+    """A job state as a :class:`JobState` value: the live ones are already, the ledger keeps the
+    scheduler's own word (Grid Engine's ``r``, ``hqw``); a word no backend knows stays as it is."""
+    word = state.strip()
+    if word.upper() in _JOB_STATES or scheduler not in _TRANSLATE:
+        return word.upper()
+    translated = _TRANSLATE[scheduler](word)
+    return word.upper() if translated is JobState.MISSING else translated.value
 
 
 def display_state(record: RequestRecord, job_state: str | None = None) -> str:
@@ -45,7 +59,7 @@ def display_state(record: RequestRecord, job_state: str | None = None) -> str:
         return "rejected"
     if record.continuations:
         return "continued"
-    seen = (job_state if job_state is not None else record.job_state).upper()
+    seen = job_state_word(record.scheduler, job_state if job_state is not None else record.job_state)
     if seen == "RUNNING":
         return "running"
     if seen in ("PENDING", "REQUEUED", "SUSPENDED"):
