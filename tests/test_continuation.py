@@ -19,6 +19,7 @@ import pytest
 import bridge.schedulers as schedulers
 import worker.continuation as continuation
 from bridge.continuation import read_continuation
+from bridge.errors import SchedulerUnavailable
 from bridge.schedulers import JobInfo, JobSpec, Scheduler
 from bridge.spool import Spool, atomic_write_json, read_json
 from worker.continuation import ContinuationPlan, TimeLimitWarning, continue_job
@@ -171,6 +172,45 @@ def test_the_hand_over_records_the_continuation_and_submits_a_held_successor(
     ((script, spec),) = RecordingScheduler.submitted
     assert spec.hold_after == "4100" and script.name == "job-after-4100.sh"
     assert "#REC --after=4100" in script.read_text() and oct(script.stat().st_mode & 0o777) == "0o700"
+
+
+class BusyScheduler(RecordingScheduler):
+    """Refuses the first ``busy`` continuations the way a busy slurmctld does, then accepts."""
+
+    name = "busy"
+    busy = 0
+
+    def continue_job(self, job_id: str, script: Path, spec: JobSpec) -> str:
+        if BusyScheduler.busy > 0:
+            BusyScheduler.busy -= 1
+            raise SchedulerUnavailable(f"scontrol requeue {job_id} failed: Unexpected message received for job")
+        return job_id
+
+
+@pytest.mark.parametrize(("busy", "continued"), [(2, True), (3, False)])
+def test_a_busy_scheduler_is_asked_again_at_most_three_times(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, busy: int, continued: bool
+) -> None:
+    monkeypatch.setitem(schedulers.BACKENDS, "busy", BusyScheduler)
+    monkeypatch.setattr("worker.continuation.CONTINUE_RETRY_S", 0.01)
+    monkeypatch.setenv("HPC_JOB_ID", "4100")
+    BusyScheduler.busy = busy
+    spool = Spool(tmp_path / "spool").ensure()
+    spool.job_dir("c1").mkdir(parents=True)
+    params_path = spool.params_path("c1")
+    raw = forget_token(params_path, {**parameters(spool.root)}, keep_file=True)
+    raw["job"]["scheduler"] = "busy"
+    plan = ContinuationPlan.from_parameters(raw)
+    assert plan is not None and plan.scheduler == "busy"
+    kwargs = {"params_path": params_path, "raw_params": raw, "spool": spool, "key": "c1", "run_dir": tmp_path}
+    if continued:
+        assert continue_job(plan, stopped_at="here", **kwargs) == "4100"  # type: ignore[arg-type]
+        record = read_continuation(spool, "c1")
+        assert record is not None and record.job_id == "4100"
+    else:
+        with pytest.raises(SchedulerUnavailable, match="Unexpected message"):
+            continue_job(plan, stopped_at="here", **kwargs)  # type: ignore[arg-type]
+    assert BusyScheduler.busy == 0
 
 
 def test_outside_a_batch_job_there_is_nothing_to_continue(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -26,10 +26,16 @@ from typing import Any
 import structlog
 
 from bridge.continuation import Continuation, write_continuation
+from bridge.errors import SchedulerUnavailable
 from bridge.schedulers import JobSpec, get_scheduler
 from bridge.spool import Spool, atomic_write_json
 
 log = structlog.get_logger("worker")
+
+#: Asking the scheduler to continue is tried this often (a busy controller answers with an error
+#: now and then); the pauses grow by CONTINUE_RETRY_S and stay well inside the warning time.
+CONTINUE_ATTEMPTS = 3
+CONTINUE_RETRY_S = 2.0
 
 #: The signals a scheduler warns with (Slurm: USR1 as we ask; Grid Engine -notify: USR2).
 WARNING_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
@@ -137,7 +143,15 @@ def continue_job(
     write_continuation(spool, key, Continuation(count=count, previous_job_id=job_id, stopped_at=stopped_at))
     scheduler = get_scheduler(plan.scheduler, timeout_s=plan.timeout_s, options=plan.options)
     log.info("job_continuing", continuation=count, of=plan.maximum, scheduler=plan.scheduler, stopped_at=stopped_at)
-    successor = scheduler.continue_job(job_id, plan.script, plan.spec)
+    for attempt in range(1, CONTINUE_ATTEMPTS + 1):
+        try:
+            successor = scheduler.continue_job(job_id, plan.script, plan.spec)
+            break
+        except SchedulerUnavailable as exc:  # e.g. slurmctld busy: "Unexpected message received"
+            if attempt == CONTINUE_ATTEMPTS:
+                raise
+            log.warning("job_continue_retry", attempt=attempt, error=str(exc))
+            time.sleep(CONTINUE_RETRY_S * attempt)
     write_continuation(
         spool, key, Continuation(count=count, previous_job_id=job_id, job_id=successor, stopped_at=stopped_at)
     )
