@@ -23,6 +23,7 @@ import structlog
 
 from bridge.config import BridgeConfig
 from bridge.errors import PermanentError, SchedulerRejected, TransientError
+from bridge.faults import fault_point
 from bridge.ledger import Ledger, RequestRecord, RequestState
 from bridge.protocol import JobRequest, error_reply, parse_request
 from bridge.replies import ReplyBox
@@ -104,11 +105,12 @@ class Intake:
         if record.state is RequestState.REJECTED:
             log.info("request_duplicate", state=record.state.value)
             return Decision(Outcome.REJECTED if not record.dead_lettered else Outcome.DUPLICATE, record.reason, record)
-        if record.state is RequestState.SUBMITTING and self._adopt_existing_job(record):
-            return Decision(Outcome.SUBMITTED, record=record)
-
         log.info("request_received", bytes=len(msg.body))
         try:
+            # A pass that died (or was deferred) after sbatch may have left a job: find it by name
+            # rather than submit twice. The scheduler may be down for this lookup too: defer then.
+            if record.state is RequestState.SUBMITTING and self._adopt_existing_job(record):
+                return Decision(Outcome.SUBMITTED, record=record)
             request = parse_request(msg.body, correlation_id=msg.correlation_id or "", reply_to=msg.reply_to or "")
             record.generation = request.generation.value
             log.info("request_valid", generation=request.generation.value, layers=len(request.layers))
@@ -161,17 +163,20 @@ class Intake:
         record.time_limit = request.settings.max_time
         record.memory_mb = request.settings.max_memory_mb
         self.ledger.save(record)
+        fault_point("before_submit")
         try:
             job_id = self.scheduler.submit(script, spec)
         except PermanentError:
             params_path.unlink(missing_ok=True)
             raise
+        fault_point("after_submit")
         record.state = RequestState.SUBMITTED
         record.job_id = job_id
         record.job_ids = [job_id]
         record.submitted_at = time.time()
         record.reason = ""
         self.ledger.save(record)
+        fault_point("after_record")
         structlog.contextvars.bind_contextvars(job_id=job_id)
         return job_id
 
@@ -247,5 +252,7 @@ class Intake:
         record.reason = reason
         record.outcome = "error"
         self.ledger.save(record)
+        # A request given up on after its parameter file was written: the token must not stay on disk.
+        self.spool.params_path(record.key).unlink(missing_ok=True)
         self.replies.stage(record.correlation_id, record.reply_to, error_reply(reason), origin="bridge")
         return Decision(Outcome.REJECTED, reason, record)

@@ -198,6 +198,51 @@ class Reconciler:
         record = self.ledger.get(entry.correlation_id)
         return record is None or record.state is not RequestState.SUBMITTED or record.job_ended
 
+    def judge_lost(self, seen: set[str], now: float | None = None) -> int:
+        """Answer requests whose message the broker no longer holds (call right after a full drain).
+
+        A request the bridge took but could not submit yet (Rodan or the scheduler was down) waits
+        in the request queue and comes back on every pass, which refreshes its ledger record. One
+        that has not come back for ``missing_timeout_s`` and was not in the queue just drained
+        (``seen``) is gone: Rodan's queues are not durable, so a broker restart drops it. Without
+        this its Rodan task would wait for ever; it gets one error reply instead. A job submitted
+        for it before the loss is adopted, not answered.
+        """
+        now = time.time() if now is None else now
+        judged = 0
+        for record in self.ledger.in_state(RequestState.RECEIVED, RequestState.SUBMITTING):
+            if record.correlation_id in seen or now - record.updated_at < self.config.missing_timeout_s:
+                continue
+            if self.replies.already_replied(record.correlation_id):
+                continue
+            with structlog.contextvars.bound_contextvars(correlation_id=record.correlation_id):
+                if record.state is RequestState.SUBMITTING and record.job_name:
+                    try:
+                        ids = self.scheduler.find_by_name(record.job_name)
+                    except SchedulerUnavailable as exc:
+                        log.warning("request_lost_check_deferred", error=str(exc))
+                        continue
+                    if ids:
+                        record.state, record.job_id, record.job_ids = RequestState.SUBMITTED, ids[0], [ids[0]]
+                        record.submitted_at = record.submitted_at or now
+                        self.ledger.save(record)
+                        log.warning("request_adopted_job", job_id=ids[0], jobs_with_name=ids)
+                        continue
+                reason = (
+                    f"the request was lost from the broker's queue before it could be submitted (its message "
+                    f"has not come back for {int(now - record.updated_at)} s: a broker restart drops Rodan's "
+                    f"queues); run the job again"
+                )
+                log.error("request_lost", reason=reason, attempts=record.attempts)
+                record.state = RequestState.REJECTED
+                record.reason = reason
+                record.outcome = "error"
+                self.ledger.save(record)
+                self.spool.params_path(record.key).unlink(missing_ok=True)  # it may hold a token
+                self.replies.stage(record.correlation_id, record.reply_to, error_reply(reason), origin="reconcile")
+                judged += 1
+        return judged
+
     def _missing(self, record: RequestRecord, now: float, *, has_reply: bool = False) -> int:
         if not record.missing_since:
             record.missing_since = now

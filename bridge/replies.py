@@ -6,6 +6,9 @@ Exactly one final reply per request is the contract. The protocol here:
    (the metadata file's presence means the entry is complete).
 2. ``publish_staged``: publish with publisher confirms; on the confirm, write
    ``SPOOL/replies/KEY.json`` (the "replied" marker), then drop the outbox entry.
+   ``SPOOL/replies/KEY.sending``, written just before the publish, says one was under way: a
+   process killed between the broker's confirm and the marker cannot know whether the reply
+   arrived, so the next publish of that entry carries an expiry (``UNCERTAIN_REPLY_TTL_MS``).
 3. Whoever finds a staged entry later (the bridge on every pass) publishes it,
    unless the marker already exists. A reply the WORKER staged belongs to the
    worker while its job may still run (it is publishing it right now, or will):
@@ -30,10 +33,25 @@ from pika.adapters.blocking_connection import BlockingChannel
 
 from bridge.amqp import publish
 from bridge.errors import PermanentError
+from bridge.faults import fault_point
 from bridge.protocol import error_reply, reply_is_error
 from bridge.spool import Spool, atomic_write, atomic_write_json, read_json, safe_key
 
 log = structlog.get_logger(__name__)
+
+#: The expiry of a reply published again after a publish whose outcome is unknown (its process
+#: died between publishing and writing the marker): long enough for a waiting Rodan task to take
+#: it if the first one never arrived, short enough to bound a duplicate's nack loop at Rodan.
+UNCERTAIN_REPLY_TTL_MS = 15 * 60 * 1000
+
+
+def _is_error(body: bytes) -> bool:
+    """``reply_is_error`` without JSON-decoding a models reply (a 31 MB body of four models took
+    76 ms and a body-sized copy to parse, twice per reply: benchmarks/README.md, reply publication).
+    An error reply's only key comes first; a large body that does not start with it is models."""
+    if len(body) > 1 << 20 and b'"error"' not in body[:64]:
+        return False
+    return reply_is_error(body)
 
 
 @dataclass(frozen=True)
@@ -80,7 +98,7 @@ class ReplyBox:
             "reply_to": reply_to,
             "origin": origin,
             "bytes": len(body),
-            "outcome": "error" if reply_is_error(body) else "ok",
+            "outcome": "error" if _is_error(body) else "ok",
             "staged_at": time.time(),
         }
         atomic_write_json(meta_path, meta)
@@ -107,24 +125,54 @@ class ReplyBox:
             )
         return entries
 
-    def publish_staged(self, channel: BlockingChannel, entry: StagedReply) -> bool:
-        """Publish one staged reply (confirm mode channel). False if it had been sent already."""
+    def publish_staged(self, channel: BlockingChannel, entry: StagedReply, body: bytes | None = None) -> bool:
+        """Publish one staged reply (confirm mode channel). False if it had been sent already.
+
+        ``body``: the staged bytes, when the caller still holds them (saves reading a copy back).
+        """
         marker = self.spool.reply_marker(entry.key)
         if marker.exists():
             self._drop(entry)
             return False
-        body = entry.body_path.read_bytes()
-        outcome = "error" if reply_is_error(body) else "ok"
+        if body is None:
+            body = entry.body_path.read_bytes()
+        outcome = "error" if _is_error(body) else "ok"
+        fault_point("before_publish")
+        # A publish under way when its process died may have reached the broker before the marker
+        # was written: it goes out again (Rodan must not wait forever), but with an expiry, so that
+        # if it is a duplicate it leaves the reply queue after UNCERTAIN_REPLY_TTL_MS.
+        sending = marker.with_suffix(".sending")
+        expiration = UNCERTAIN_REPLY_TTL_MS if sending.exists() else None
+        atomic_write(sending, b"")
         try:
-            publish(channel, entry.reply_to, body, correlation_id=entry.correlation_id, persistent=True)
-        except PermanentError as exc:
-            # The reply queue is gone or the broker refused the size: say so in a small error reply.
-            if reply_is_error(body):
-                raise
-            log.error("reply_refused", error=str(exc), bytes=len(body))
-            body = error_reply(f"the models could not be delivered: {exc}")
-            outcome = "error"
-            publish(channel, entry.reply_to, body, correlation_id=entry.correlation_id, persistent=True)
+            try:
+                publish(
+                    channel,
+                    entry.reply_to,
+                    body,
+                    correlation_id=entry.correlation_id,
+                    persistent=True,
+                    expiration_ms=expiration,
+                )
+            except PermanentError as exc:
+                # The reply queue is gone or the broker refused the size: say so in a small error reply.
+                if reply_is_error(body):
+                    raise
+                log.error("reply_refused", error=str(exc), bytes=len(body))
+                body = error_reply(f"the models could not be delivered: {exc}")
+                outcome = "error"
+                publish(
+                    channel,
+                    entry.reply_to,
+                    body,
+                    correlation_id=entry.correlation_id,
+                    persistent=True,
+                    expiration_ms=expiration,
+                )
+        except PermanentError:
+            sending.unlink(missing_ok=True)  # refused by the broker: certainly not delivered
+            raise
+        fault_point("after_publish")
         atomic_write_json(
             marker,
             {
@@ -135,8 +183,9 @@ class ReplyBox:
                 "published_at": time.time(),
             },
         )
+        fault_point("after_marker")
         self._drop(entry)
-        log.info("reply_published", outcome=outcome, bytes=len(body), origin=entry.origin)
+        log.info("reply_published", outcome=outcome, bytes=len(body), origin=entry.origin, expiration_ms=expiration)
         return True
 
     def flush(self, channel: BlockingChannel, may_publish: Callable[[StagedReply], bool] = lambda _e: True) -> int:
@@ -145,10 +194,24 @@ class ReplyBox:
         for entry in self.staged():
             if not may_publish(entry):
                 continue
-            if self.publish_staged(channel, entry):
+            try:
+                published = self.publish_staged(channel, entry)
+            except PermanentError as exc:
+                # Not even the error reply could be routed: the reply queue is gone (a broker's full
+                # restart drops Rodan's non-durable queues until Rodan declares them again). Keep the
+                # reply for a later pass instead of failing the pass, and go on with the others.
+                log.error(
+                    "reply_left_in_outbox",
+                    correlation_id=entry.correlation_id,
+                    error=str(exc),
+                    note="published on a later pass, once the reply queue exists",
+                )
+                continue
+            if published:
                 sent += 1
         return sent
 
     def _drop(self, entry: StagedReply) -> None:
+        self.spool.reply_marker(entry.key).with_suffix(".sending").unlink(missing_ok=True)
         entry.meta_path.unlink(missing_ok=True)
         entry.body_path.unlink(missing_ok=True)

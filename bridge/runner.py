@@ -34,6 +34,7 @@ from bridge.amqp import (
 )
 from bridge.config import BridgeConfig
 from bridge.errors import BrokerUnavailable
+from bridge.faults import fault_point
 from bridge.intake import Decision, Intake, Message, Outcome
 from bridge.ledger import Ledger
 from bridge.reconcile import Reconciler
@@ -51,6 +52,7 @@ RECOVERABLE: tuple[type[BaseException], ...] = (BrokerUnavailable, *CONNECTION_E
 class _Deferred:
     delivery_tag: int
     due: float
+    correlation_id: str = ""
 
 
 @dataclass
@@ -171,10 +173,14 @@ class Bridge:
     def _pass(self, *, drain_all: bool, reconcile: bool) -> PassStats:
         stats = PassStats()
         stats.replies_sent += self._flush()
-        self._drain(stats)
+        seen: set[str] = set()
+        self._drain(stats, seen)
+        drained = not self.stopping  # the queue was read to its end: what is not in it is gone
         self._release_deferred(force=drain_all)
         if reconcile:
             stats.judged = self._blocking(self.reconciler.reconcile)
+            if drained:
+                stats.judged += self._blocking(self.reconciler.judge_lost, seen | self._held_ids())
             self.reconciliations += 1
         stats.replies_sent += self._flush()
         if stats.replies_sent:
@@ -202,12 +208,13 @@ class Bridge:
         except OSError as exc:
             log.warning("metrics_write_failed", path=str(self.config.metrics_file), error=str(exc))
 
-    def _drain(self, stats: PassStats) -> None:
+    def _drain(self, stats: PassStats, seen: set[str]) -> None:
         channel = self._require_channel()
         while not self.stopping:
             method, properties, body = channel.basic_get(self.config.request_queue, auto_ack=False)
             if method is None:
                 return
+            fault_point("after_get")
             msg = Message(
                 body=body,
                 correlation_id=properties.correlation_id,
@@ -216,6 +223,7 @@ class Bridge:
                 delivery_tag=method.delivery_tag,
             )
             stats.received += 1
+            seen.add(msg.correlation_id or "")
             decision = self._blocking(self.intake.process, msg)
             self._settle_message(channel, msg, decision, properties)
             if decision.outcome is Outcome.SUBMITTED:
@@ -233,7 +241,8 @@ class Bridge:
         """Everything that touches the broker for one message, on the owner thread."""
         if decision.outcome is Outcome.DEFERRED:
             attempts = decision.record.attempts if decision.record else 1
-            self._deferred.append(_Deferred(msg.delivery_tag, time.monotonic() + min(5.0 * attempts, 300.0)))
+            due = time.monotonic() + min(5.0 * attempts, 300.0)
+            self._deferred.append(_Deferred(msg.delivery_tag, due, msg.correlation_id or ""))
             return
         if decision.outcome is Outcome.REJECTED:
             self._flush()  # the staged error reply goes out before the message is dropped
@@ -242,6 +251,7 @@ class Bridge:
             if decision.record is not None:
                 decision.record.dead_lettered = True
                 self.ledger.save(decision.record)
+        fault_point("before_ack")
         channel.basic_ack(msg.delivery_tag)
         log.info("request_acked", correlation_id=msg.correlation_id, outcome=decision.outcome.value)
 
@@ -263,6 +273,10 @@ class Bridge:
             persistent=True,
         )
         log.info("request_dead_lettered", correlation_id=msg.correlation_id, queue=self.config.dead_letter_queue)
+
+    def _held_ids(self) -> set[str]:
+        """Correlation ids of the deferred requests this daemon holds (unacked, so not in the queue)."""
+        return {item.correlation_id for item in self._deferred}
 
     def _release_deferred(self, *, force: bool) -> None:
         """Give deferred requests back to the queue (their retry time came, or the pass ends)."""

@@ -32,7 +32,7 @@ _SAFE_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 def safe_key(correlation_id: str) -> str:
     """A file-name-safe key for a correlation id (which comes from the network)."""
-    if _SAFE_KEY.match(correlation_id):
+    if _SAFE_KEY.fullmatch(correlation_id):  # not .match: '$' would let a trailing newline in
         return correlation_id
     return "sha256-" + hashlib.sha256(correlation_id.encode("utf-8", "surrogatepass")).hexdigest()
 

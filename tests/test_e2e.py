@@ -268,6 +268,32 @@ def test_rodan_outage_defers_then_bounded_error(harness, rodan, sample_inputs, s
     assert rodan.depth(queues.request) == 0
 
 
+@pytest.mark.parametrize("cluster", ["slurm"], indirect=True)  # no job is involved: one scheduler is enough
+def test_a_deferred_request_the_broker_lost_gets_one_error_reply(harness, rodan, sample_inputs, standin, queues):
+    """Rodan's queue is not durable: a broker restart drops a request the bridge had deferred. Its
+    ledger record is all that is left; Rodan's task must not wait for ever."""
+    page = sample_inputs("new", n_layers=1, seed=7)
+    standin.fail_next(1000, status=503, paths="/api/auth/token/")
+    try:
+        corr = rodan.publish_request(page, FAST)
+        harness.check(HPC_RODAN_RETRIES="0")
+        assert harness.ledger(corr)["state"] == "received" and rodan.depth(queues.request) == 1
+        assert [c for c, _body, _h in rodan.drain(queues.request)] == [corr]  # what a broker restart does
+        harness.check(HPC_RODAN_RETRIES="0")  # an hour (HPC_MISSING_TIMEOUT) has not passed: nothing yet
+        harness.collect()
+        assert not harness.replies and harness.ledger(corr)["state"] == "received"
+        time.sleep(2)
+        harness.check(HPC_RODAN_RETRIES="0", HPC_MISSING_TIMEOUT="1")
+        harness.check(HPC_RODAN_RETRIES="0", HPC_MISSING_TIMEOUT="1")  # and never twice
+        harness.collect()
+        error = only_reply(harness, corr)["error"]
+        assert error.startswith("the request was lost from the broker's queue") and "run the job again" in error
+        assert harness.ledger(corr)["state"] == "rejected"
+        assert [e["correlation_id"] for e in harness.log_events() if e["event"] == "request_lost"] == [corr]
+    finally:
+        standin.clear_faults()
+
+
 def test_sigkill_between_submit_and_ack_submits_nothing_twice(harness, rodan, sample_inputs, tmp_path):
     # A submit command that submits for real, then SIGKILLs the bridge before it can record or ack.
     cluster = harness.cluster

@@ -47,6 +47,8 @@ VARIABLE_REASONS: dict[tuple[str, str, str], str] = {
     # explain() for a job that ended, and the "vanished" f-string.
     ("bridge/reconcile.py", "reconcile", "reason"): "test_reconcile_texts_are_documented",
     ("bridge/reconcile.py", "_missing", "reason"): "test_assigned_reasons_are_documented",
+    # A request whose message the broker lost before it was submitted.
+    ("bridge/reconcile.py", "judge_lost", "reason"): "test_assigned_reasons_are_documented",
     # The oversized reply.
     ("bridge/replies.py", "stage", "reason"): "test_assigned_reasons_are_documented",
     # stopped(): no continuation, continuations used up, continuing failed.

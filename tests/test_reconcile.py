@@ -276,3 +276,46 @@ class _NullChannel:
 
     def basic_publish(self, *args: object, **kwargs: object) -> None:
         return None
+
+
+# --- requests whose message the broker lost --------------------------------------------------------
+
+
+def waiting(ledger: Ledger, corr: str, state: RequestState, updated_s_ago: float, spool: Spool) -> RequestRecord:
+    """A request taken but not submitted (deferred), last seen ``updated_s_ago`` seconds ago."""
+    record = RequestRecord(
+        correlation_id=corr, key=corr, reply_to="hpc-results", state=state, job_name=f"rodan-{corr}", attempts=2
+    )
+    ledger.save(record)
+    record.updated_at -= updated_s_ago
+    atomic_write_json(spool.root / "ledger" / f"{corr}.json", record.to_json())
+    return record
+
+
+def test_a_request_whose_message_is_gone_gets_one_error_reply(world):
+    rec, ledger, scheduler, replies = world
+    spool = rec.spool
+    waiting(ledger, "lost", RequestState.RECEIVED, 120, spool)
+    waiting(ledger, "recent", RequestState.RECEIVED, 10, spool)  # came back 10 s ago: still in the queue
+    waiting(ledger, "in-queue", RequestState.RECEIVED, 120, spool)  # stale, but the drain just saw it
+    waiting(ledger, "submitted-then-lost", RequestState.SUBMITTING, 120, spool)
+    scheduler.names["rodan-submitted-then-lost"] = ["77"]  # its job exists: adopted, not answered
+    spool.params_path("lost").write_text('{"rodan": {"token": "t"}}')
+    assert rec.judge_lost(seen={"in-queue"}) == 1
+    errors = staged_errors(replies)
+    assert list(errors) == ["lost"]
+    assert errors["lost"].startswith("the request was lost from the broker's queue before it could be submitted")
+    assert "run the job again" in errors["lost"]
+    assert ledger.get("lost").state is RequestState.REJECTED and not spool.params_path("lost").exists()
+    assert ledger.get("recent").state is RequestState.RECEIVED and ledger.get("in-queue").state is RequestState.RECEIVED
+    adopted = ledger.get("submitted-then-lost")
+    assert adopted.state is RequestState.SUBMITTED and adopted.job_id == "77"
+    assert rec.judge_lost(seen={"in-queue"}) == 0  # "lost" was answered once: never again
+
+
+def test_lost_requests_are_not_judged_while_the_scheduler_cannot_say_whether_a_job_exists(world):
+    rec, ledger, scheduler, replies = world
+    waiting(ledger, "maybe", RequestState.SUBMITTING, 120, rec.spool)
+    scheduler.find_by_name = lambda name: (_ for _ in ()).throw(SchedulerUnavailable("slurmctld down"))
+    assert rec.judge_lost(seen=set()) == 0 and not replies.staged()
+    assert ledger.get("maybe").state is RequestState.SUBMITTING
