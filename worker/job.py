@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from bridge.amqp import connect
+from bridge.amqp import CONNECTION_ERRORS, connect
 from bridge.errors import BridgeError, BrokerUnavailable
 from bridge.logs import register_secret, tee_logs_to
 from bridge.protocol import error_reply, success_reply
@@ -343,6 +343,10 @@ def train(
     return {key: Path(paths[key]).read_bytes() for _, key in params.layers}
 
 
+#: What ends a worker's publication, leaving the staged reply to the bridge.
+_DELIVERY_ERRORS: tuple[type[BaseException], ...] = (BridgeError, *CONNECTION_ERRORS)
+
+
 def deliver(replies: ReplyBox, params: JobParameters, body: bytes) -> None:
     """Stage the reply, then publish it; if the broker is unreachable the bridge will."""
     entry = replies.stage(params.correlation_id, params.reply_to, body, origin="worker")
@@ -354,12 +358,18 @@ def deliver(replies: ReplyBox, params: JobParameters, body: bytes) -> None:
     try:
         channel = connection.channel()
         channel.confirm_delivery()
-        replies.publish_staged(channel, entry)
-    except BridgeError as exc:
-        log.error("reply_left_in_outbox", error=str(exc), note="hpc-bridge publishes it on its next pass")
+        # The bytes just staged, unless stage() turned an oversized reply into an error reply.
+        replies.publish_staged(channel, entry, body if len(body) <= replies.max_bytes else None)
+    except _DELIVERY_ERRORS as exc:
+        # The broker may go away between connecting and publishing (channel() and confirm_delivery()
+        # raise pika's own errors): the reply is staged, so the bridge publishes it.
+        log.error("reply_left_in_outbox", error=_describe(exc), note="hpc-bridge publishes it on its next pass")
     finally:
         if connection.is_open:
-            connection.close()
+            try:
+                connection.close()
+            except CONNECTION_ERRORS:
+                pass
 
 
 def _describe(exc: BaseException) -> str:

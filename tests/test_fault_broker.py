@@ -1,0 +1,537 @@
+"""Broker outages while ``hpc-bridge run`` consumes and workers publish (issue #6, fault suite item 2).
+
+Every test here runs against a PRIVATE RabbitMQ node (its own node name, ports, data and log
+directories, Erlang cookie), started once per session, so that stopping and restarting it never
+disturbs the shared broker on 5672. Requests go through real Slurm jobs; the jobs run a light stub
+worker that uses the real worker's delivery (``worker.job.deliver``: stage in the outbox, publish
+with confirms), and waits for a gate file so that the test decides when the replies are published.
+
+What a restart of the node preserves, ``rabbitmqctl stop_app``/``start_app`` as much as a full stop
+and start: both drop non-durable queues (Rodan declares ``hpc-jobs`` and ``hpc-results``
+non-durable, and publishes transient requests):
+
+* preserved: every request the bridge had taken (ledger + job), every reply staged in the outbox
+  (the worker's, or the bridge's, while the broker was down), the durable dead-letter queue;
+  the bridge re-declares the request queue itself on reconnecting;
+* not preserved: requests still waiting in ``hpc-jobs`` (or held unacked by the bridge) when the
+  node stopped, and replies already confirmed into ``hpc-results`` but not yet consumed: the broker
+  drops the non-durable queues with their messages. ``hpc-results`` exists again only once Rodan
+  declares it; until then the bridge keeps the replies in its outbox (``reply_left_in_outbox``)
+  instead of failing the pass.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pika
+import pytest
+
+from bridge.standin.server import RodanStandin
+from tests.conftest import Queues, Rodan, bridge_environ, cancel_spool_jobs, jobs_named, wait_until
+from tests.test_daemon import Daemon
+
+pytestmark = [pytest.mark.slurm, pytest.mark.broker]
+
+RABBIT_BIN = Path("/usr/lib/rabbitmq/bin")  # the real scripts (/usr/sbin's wrappers su to rabbitmq)
+STUB_SETTINGS = {
+    "Maximum number of training epochs": 1,
+    "Maximum number of samples per label": 100,
+    "Patch height": 64,
+    "Patch width": 64,
+    "Maximum time (D-HH:MM)": "0-00:10",
+    "Maximum memory (MB)": 1024,
+    "CPUs": 1,
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class PrivateBroker:
+    """A RabbitMQ node of its own: ``stop_app``/``start_app`` and full stop/start never touch 5672."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.node = f"hpcb-outage-{os.getpid()}@localhost"
+        self.port = _free_port()
+        dist = _free_port()
+        base.mkdir(parents=True, exist_ok=True)
+        cookie = base / ".erlang.cookie"
+        cookie.write_text(uuid.uuid4().hex.upper())
+        cookie.chmod(0o400)
+        (base / "enabled_plugins").write_text("[].\n")
+        (base / "rabbitmq.conf").write_text(f"listeners.tcp.1 = 127.0.0.1:{self.port}\nloopback_users.guest = true\n")
+        (base / "rabbitmq-env.conf").write_text("")
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith(("RABBITMQ_", "ERL_"))}
+        self.env.update(
+            HOME=str(base),  # the Erlang cookie of this node and of its CLI
+            RABBITMQ_NODENAME=self.node,
+            RABBITMQ_NODE_PORT=str(self.port),
+            RABBITMQ_DIST_PORT=str(dist),
+            RABBITMQ_MNESIA_BASE=str(base / "mnesia"),
+            RABBITMQ_LOG_BASE=str(base / "log"),
+            RABBITMQ_PID_FILE=str(base / "rabbit.pid"),
+            RABBITMQ_ENABLED_PLUGINS_FILE=str(base / "enabled_plugins"),
+            RABBITMQ_CONFIG_FILE=str(base / "rabbitmq.conf"),
+            RABBITMQ_ADVANCED_CONFIG_FILE=str(base / "advanced.config"),
+            RABBITMQ_CONF_ENV_FILE=str(base / "rabbitmq-env.conf"),
+        )
+        self.url = f"amqp://guest:guest@127.0.0.1:{self.port}/%2F"
+
+    def ctl(self, *args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(RABBIT_BIN / "rabbitmqctl"), "-n", self.node, *args],
+            env=self.env,
+            cwd=self.base,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    def answers(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=2):
+                return True
+        except OSError:
+            return False
+
+    def start(self) -> None:
+        subprocess.run(
+            [str(RABBIT_BIN / "rabbitmq-server"), "-detached"], env=self.env, cwd=self.base, check=True, timeout=60
+        )
+        wait_until(lambda: self.ctl("-q", "ping", timeout=30).returncode == 0, 90, 0.5, "the private node to boot")
+        result = self.ctl("await_startup", "--timeout", "90", timeout=120)
+        assert result.returncode == 0, result.stderr
+        wait_until(self.answers, 30, 0.2, "the private node's AMQP listener")
+
+    def stop_app(self) -> None:
+        assert self.ctl("stop_app").returncode == 0
+        wait_until(lambda: not self.answers(), 30, 0.1, "the listener to close")
+
+    def start_app(self) -> None:
+        assert self.ctl("start_app").returncode == 0
+        wait_until(self.answers, 60, 0.2, "the listener to open")
+
+    def stop(self) -> None:
+        """A full stop of the node (the Erlang VM exits)."""
+        self.ctl("stop", timeout=120)
+        pid_file = self.base / "rabbit.pid"
+        if pid_file.exists():
+            pid = int(pid_file.read_text().strip() or 0)
+            wait_until(lambda: not _alive(pid), 60, 0.2, "the node's VM to exit")
+
+    def kill(self) -> None:
+        """Last resort at teardown: our own node's VM, by its pid file."""
+        pid_file = self.base / "rabbit.pid"
+        if pid_file.exists() and (text := pid_file.read_text().strip()) and _alive(int(text)):
+            os.kill(int(text), signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="session")
+def private_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateBroker]:
+    if not (RABBIT_BIN / "rabbitmq-server").exists():
+        pytest.skip("a private RabbitMQ node needs the rabbitmq-server package on this machine")
+    # A short base path: Erlang and RabbitMQ dislike long socket and data paths.
+    base = Path(tmp_path_factory.mktemp("rmq"))
+    broker = PrivateBroker(base)
+    broker.start()
+    try:
+        yield broker
+    finally:
+        broker.stop()
+        broker.kill()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def node(private_broker: PrivateBroker) -> PrivateBroker:
+    """The private node, running (a test that failed half-way may have left it stopped)."""
+    if not private_broker.answers():
+        if private_broker.ctl("-q", "ping", timeout=30).returncode == 0:
+            private_broker.start_app()
+        else:
+            private_broker.start()
+    return private_broker
+
+
+STUB = """
+import sys, time
+from pathlib import Path
+
+from bridge.logs import configure_logging
+
+configure_logging(stream=sys.stdout, component="worker")
+
+from bridge.protocol import success_reply
+from bridge.replies import ReplyBox
+from bridge.spool import Spool, read_json
+from worker.job import JobParameters, deliver
+
+params_path = Path(sys.argv[-1])
+params = JobParameters.from_json(read_json(params_path))
+gate = Path({gate!r})
+deadline = time.monotonic() + 300
+while not gate.exists() and time.monotonic() < deadline:
+    time.sleep(0.2)
+body = success_reply({{key: f"stub {{key}} {{params.correlation_id}}".encode() for _, key in params.layers}})
+deliver(ReplyBox(Spool(params.spool), max_bytes=params.max_reply_bytes), params, body)
+params_path.unlink(missing_ok=True)
+"""
+
+
+class Scene:
+    """One test's daemon, its stub workers' gate, Rodan's side, and what came back."""
+
+    def __init__(self, tmp: Path, node: PrivateBroker, standin: RodanStandin) -> None:
+        tag = uuid.uuid4().hex[:10]
+        self.queues = Queues(f"fault-{tag}-hpc-jobs", f"fault-{tag}-hpc-results", f"fault-{tag}-dead")
+        self.rodan = Rodan(node.url, self.queues)
+        self.node = node
+        self.spool = tmp / "spool"
+        self.log = tmp / "bridge.log"
+        self.gate = tmp / "gate"
+        stub = tmp / "stub_worker.py"
+        stub.write_text(textwrap.dedent(STUB.format(gate=str(self.gate))))
+        wrapper = tmp / "stub-python"
+        wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} {stub} "$@"\n')  # called as: -m worker run PARAMS
+        wrapper.chmod(0o755)
+        self.env = bridge_environ(
+            node.url,
+            standin,
+            self.queues,
+            self.spool,
+            HPC_LOG_FILE=str(self.log),
+            HPC_WORKER_PYTHON=str(wrapper),
+            HPC_GPU_RULES="none",
+            HPC_METRICS_FILE=str(tmp / "metrics.prom"),
+        )
+        self.daemon: Daemon | None = None
+        self.replies: Counter[str] = Counter()
+        self.bodies: dict[str, bytes] = {}
+        self.consumed: list[str] = []
+
+    def start_daemon(self) -> Daemon:
+        self.daemon = Daemon(self.env, self.log, self.spool)
+        return self.daemon
+
+    def collect(self) -> Counter[str]:
+        for corr, body, _headers in self.rodan.drain():
+            self.replies[corr or ""] += 1
+            self.bodies[corr or ""] = body
+        return self.replies
+
+    def all_replied(self, corrs: list[str]) -> bool:
+        self.collect()
+        return all(self.replies[c] for c in corrs)
+
+    def outbox(self) -> list[str]:
+        return sorted(p.stem for p in (self.spool / "outbox").glob("*.json"))
+
+    def jobs_over(self, corrs: list[str]) -> bool:
+        """Every request's job has left the Slurm queue."""
+        out = subprocess.run(["squeue", "-h", "-o", "%j"], capture_output=True, text=True).stdout.split()
+        return not any(f"rodan-{c}" in out for c in corrs)
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        assert self.daemon is not None
+        return self.daemon.events(name)
+
+    def teardown(self) -> None:
+        if self.daemon is not None and self.daemon.proc.poll() is None:
+            self.daemon.proc.send_signal(signal.SIGTERM)
+            try:
+                self.daemon.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.daemon.proc.kill()
+        cancel_spool_jobs(self.spool)
+        if self.node.answers():
+            connection = pika.BlockingConnection(pika.URLParameters(self.node.url))
+            channel = connection.channel()
+            for name in self.queues.all():
+                channel.queue_delete(name)
+            connection.close()
+
+
+@pytest.fixture
+def scene(tmp_path: Path, node: PrivateBroker, standin: RodanStandin, slurm: None) -> Iterator[Scene]:
+    s = Scene(tmp_path, node, standin)
+    yield s
+    s.teardown()
+
+
+def assert_one_stub_reply_each(scene: Scene, corrs: list[str]) -> None:
+    scene.collect()
+    assert {c: scene.replies[c] for c in corrs} == {c: 1 for c in corrs}, "exactly one reply per request"
+    assert set(scene.replies) == set(corrs), "no reply for a request nobody sent"
+    for corr in corrs:
+        reply = json.loads(scene.bodies[corr])
+        assert "error" not in reply, reply
+        assert base64.decodebytes(reply["Background Model"].encode()) == f"stub Background Model {corr}".encode()
+
+
+def _queue_exists(url: str, name: str) -> bool:
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        connection.channel().queue_declare(name, passive=True)
+        return True
+    except pika.exceptions.ChannelClosedByBroker:
+        return False
+    finally:
+        if connection.is_open:
+            connection.close()
+
+
+class RodanConsumer:
+    """Rodan's waiting side as a robust task would be: consume ``hpc-results``, and after a broker
+    restart connect again and declare the queue again (the restart dropped it: it is non-durable)."""
+
+    def __init__(self, url: str, queue: str) -> None:
+        self.url, self.queue = url, queue
+        self.received: list[tuple[str, bytes]] = []
+        self.connections = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> RodanConsumer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                connection = pika.BlockingConnection(pika.URLParameters(self.url))
+            except pika.exceptions.AMQPError:
+                self._stop.wait(0.2)
+                continue
+            try:
+                channel = connection.channel()
+                channel.queue_declare(self.queue)
+                channel.basic_consume(self.queue, self._on_message, auto_ack=True)
+                self.connections += 1
+                while not self._stop.is_set():
+                    connection.process_data_events(time_limit=0.2)
+            except pika.exceptions.AMQPError:
+                self._stop.wait(0.2)
+            finally:
+                if connection.is_open:
+                    try:
+                        connection.close()
+                    except pika.exceptions.AMQPError:
+                        pass
+
+    def _on_message(self, _channel: Any, _method: Any, props: pika.BasicProperties, body: bytes) -> None:
+        self.received.append((props.correlation_id or "", body))
+
+    def got(self, scene: Scene, corrs: list[str]) -> bool:
+        for corr, body in self.received[len(scene.consumed) :]:
+            scene.consumed.append(corr)
+            scene.replies[corr] += 1
+            scene.bodies[corr] = body
+        return all(scene.replies[c] for c in corrs)
+
+
+def test_stop_app_while_consuming_and_while_workers_publish(scene: Scene, node: PrivateBroker, sample_inputs) -> None:
+    daemon = scene.start_daemon()
+    page = sample_inputs("new", n_layers=1, seed=21)
+    # 1. The broker goes away while jobs run; they finish and publish while it is away: outbox.
+    first = [scene.rodan.publish_request(page, STUB_SETTINGS) for _ in range(4)]
+    wait_until(lambda: all(daemon.state(c) == "submitted" for c in first), 120, 0.2, "the requests to be submitted")
+    node.stop_app()
+    scene.gate.touch()
+    wait_until(lambda: len(scene.outbox()) == len(first) and scene.jobs_over(first), 300, 0.5, "the workers' outbox")
+    wait_until(lambda: daemon.events("broker_lost"), 60, 0.2, "the daemon to notice the outage")
+    assert daemon.proc.poll() is None, "the daemon survives the outage"
+    node.start_app()
+    wait_until(lambda: len(daemon.events("broker_connected")) >= 2, 120, 0.5, "the daemon to reconnect")
+    # stop_app drops Rodan's non-durable queues too: the replies wait until Rodan declares hpc-results.
+    assert _queue_exists(node.url, scene.queues.request), "the bridge re-declared the request queue"
+    wait_until(
+        lambda: {e.get("correlation_id") for e in daemon.events("reply_left_in_outbox")} >= set(first),
+        120,
+        0.5,
+        "the daemon to find the reply queue missing",
+    )
+    assert daemon.proc.poll() is None and sorted(scene.outbox()) == sorted(first)
+    with RodanConsumer(node.url, scene.queues.reply) as consumer:
+        wait_until(lambda: consumer.got(scene, first), 120, 0.5, "every reply once Rodan listens again")
+        wait_until(lambda: not scene.outbox(), 60, 0.5, "the outbox to empty")
+        assert_one_stub_reply_each(scene, first)
+        reconnects_after_first = len(daemon.events("broker_connected"))
+
+        # 2. Bounce the broker (stop_app/start_app, three times) while the next jobs are publishing.
+        scene.gate.unlink()
+        second = [scene.rodan.publish_request(page, STUB_SETTINGS) for _ in range(6)]
+        wait_until(lambda: all(daemon.state(c) == "submitted" for c in second), 120, 0.2, "the next submissions")
+        scene.gate.touch()
+        for bounce in range(3):
+            node.stop_app()
+            node.start_app()
+            wait_until(
+                lambda b=bounce: len(daemon.events("broker_connected")) >= reconnects_after_first + b + 1,
+                120,
+                0.2,
+                "the daemon to reconnect",
+            )
+        wait_until(lambda: consumer.got(scene, second), 300, 0.5, "every reply of the second batch")
+        wait_until(lambda: scene.jobs_over(second) and not scene.outbox(), 180, 0.5, "the jobs to end, outbox empty")
+        time.sleep(3)  # one more reconciliation interval: a duplicate would show up now
+        consumer.got(scene, [])
+        assert_one_stub_reply_each(scene, first + second)
+        rodan_connections = consumer.connections
+    assert daemon.proc.poll() is None
+    lost, connected = daemon.events("broker_lost"), daemon.events("broker_connected")
+    assert len(connected) >= reconnects_after_first + 3 and len(lost) >= len(connected) - 1
+    assert all(e["level"] == "warning" and "retry_in_s" in e for e in lost)
+    for corr in first + second:
+        assert daemon.state(corr) == "replied"
+    assert daemon.stop() == 0
+    print(
+        f"\nstop_app: {len(first) + len(second)} requests, 4 outages, {sum(scene.replies.values())} replies, "
+        f"{len(lost)} broker_lost, {len(connected)} broker_connected, Rodan reconnected {rodan_connections} times"
+    )
+
+
+def test_full_node_restart_redeclares_and_keeps_replies_until_the_reply_queue_exists(
+    scene: Scene, node: PrivateBroker, sample_inputs
+) -> None:
+    daemon = scene.start_daemon()
+    page = sample_inputs("new", n_layers=1, seed=22)
+    corrs = [scene.rodan.publish_request(page, STUB_SETTINGS) for _ in range(3)]
+    wait_until(lambda: all(daemon.state(c) == "submitted" for c in corrs), 120, 0.2, "the requests to be submitted")
+    malformed = scene.rodan.publish(b"{not json")  # answered at once, and dead-lettered (durable, persistent)
+    wait_until(lambda: scene.all_replied([malformed]), 60, 0.2, "the malformed request's error reply")
+    node.stop()  # the whole node: Rodan's non-durable queues are gone when it comes back
+    scene.gate.touch()
+    wait_until(lambda: len(scene.outbox()) == len(corrs) and scene.jobs_over(corrs), 180, 0.5, "the workers' outbox")
+    node.start()
+    wait_until(lambda: len(daemon.events("broker_connected")) >= 2, 120, 0.5, "the daemon to reconnect")
+    assert _queue_exists(node.url, scene.queues.request), "the bridge re-declared the request queue"
+    assert not _queue_exists(node.url, scene.queues.reply), "hpc-results waits for Rodan to declare it"
+    dead = scene.rodan.drain(scene.queues.dead)
+    assert [(c, b) for c, b, _h in dead] == [(malformed, b"{not json")], "the dead-letter queue survives"
+    # The reply queue is gone: the replies stay in the outbox, and the daemon carries on.
+    wait_until(
+        lambda: {e.get("correlation_id") for e in daemon.events("reply_left_in_outbox")} >= set(corrs),
+        120,
+        0.5,
+        "the daemon to find the reply queue missing",
+    )
+    assert daemon.proc.poll() is None, "an unroutable reply must not end the daemon"
+    assert sorted(scene.outbox()) == sorted(corrs)
+    # Rodan declares hpc-results again (its next task does): every reply goes out, once.
+    connection = pika.BlockingConnection(pika.URLParameters(node.url))
+    connection.channel().queue_declare(scene.queues.reply)
+    connection.close()
+    wait_until(lambda: scene.all_replied(corrs), 120, 1, "the replies once the reply queue exists")
+    wait_until(lambda: not scene.outbox(), 60, 0.5, "the outbox to empty")
+    # A request published after the restart is consumed from the re-declared queue and answered.
+    after = scene.rodan.publish_request(page, STUB_SETTINGS)
+    wait_until(lambda: scene.all_replied([after]), 180, 1, "the request published after the restart")
+    wait_until(lambda: scene.jobs_over([after]) and not scene.outbox(), 120, 0.5, "the last job to end")
+    time.sleep(3)
+    assert "not valid JSON" in json.loads(scene.bodies.pop(malformed))["error"]
+    assert scene.replies.pop(malformed) == 1
+    assert_one_stub_reply_each(scene, [*corrs, after])
+    assert len(jobs_named(f"rodan-{after}")) == 1
+    assert daemon.proc.poll() is None
+    lost, connected = daemon.events("broker_lost"), daemon.events("broker_connected")
+    assert daemon.stop() == 0
+    print(f"\nfull restart: {len(corrs) + 1} requests, {len(lost)} broker_lost, {len(connected)} broker_connected")
+
+
+def test_a_missing_reply_queue_leaves_the_reply_staged_and_the_pass_goes_on(
+    tmp_path: Path, node: PrivateBroker
+) -> None:
+    """Regression: an unroutable reply used to raise out of ``flush`` and end the pass (and the daemon)."""
+    from bridge.replies import ReplyBox
+    from bridge.spool import Spool
+
+    box = ReplyBox(Spool(tmp_path / "spool").ensure())
+    gone, present = f"gone-{uuid.uuid4().hex[:8]}", f"here-{uuid.uuid4().hex[:8]}"
+    box.stage("corr-gone", gone, b'{"Model 0": "AAAA"}', origin="worker")
+    box.stage("corr-here", present, b'{"error": "x"}', origin="reconcile")
+    connection = pika.BlockingConnection(pika.URLParameters(node.url))
+    try:
+        channel = connection.channel()
+        channel.confirm_delivery()
+        channel.queue_declare(present)
+        assert box.flush(channel) == 1
+        assert [e.correlation_id for e in box.staged()] == ["corr-gone"]
+        assert not box.already_replied("corr-gone") and box.already_replied("corr-here")
+        assert channel.is_open
+        channel.queue_declare(gone)
+        assert box.flush(channel) == 1 and not box.staged()
+        method, props, body = channel.basic_get(gone, auto_ack=True)
+        assert method is not None and props.correlation_id == "corr-gone" and body == b'{"Model 0": "AAAA"}'
+        channel.queue_delete(gone)
+        channel.queue_delete(present)
+    finally:
+        connection.close()
+
+
+def test_worker_leaves_the_reply_staged_when_the_broker_goes_between_connect_and_publish(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: pika's own errors from ``channel()`` escaped ``deliver`` and crashed the worker."""
+    import worker.job as job
+    from bridge.replies import ReplyBox
+    from bridge.spool import Spool
+
+    class Broken:
+        is_open = True
+
+        def channel(self) -> Any:
+            raise pika.exceptions.StreamLostError("Transport indicated EOF")
+
+        def close(self) -> None:
+            raise pika.exceptions.StreamLostError("Transport indicated EOF")
+
+    monkeypatch.setattr(job, "connect", lambda *a, **kw: Broken())
+    box = ReplyBox(Spool(tmp_path / "spool").ensure())
+    params = job.JobParameters.from_json(
+        {
+            "correlation_id": "corr-eof",
+            "reply_to": "hpc-results",
+            "inputs": {},
+            "layers": [],
+            "settings": {},
+            "rodan": {"base_url": "http://127.0.0.1:9"},
+            "broker": {"url": "amqp://guest:guest@127.0.0.1:9/%2F"},
+            "spool": str(tmp_path / "spool"),
+        }
+    )
+    job.deliver(box, params, b'{"error": "x"}')
+    assert [e.correlation_id for e in box.staged()] == ["corr-eof"] and not box.already_replied("corr-eof")

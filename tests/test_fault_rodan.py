@@ -1,0 +1,199 @@
+"""Rodan down or misbehaving, end to end through ``hpc-bridge run`` and real Slurm jobs (issue #6, item 3).
+
+What is covered elsewhere is not repeated here: the client's retries against the stand-in
+(tests/test_rodan_client.py), the token endpoint's 5xx outage deferring then giving up and the
+refused HPC account with cron passes (tests/test_e2e.py), the worker's 404 and not-an-image in
+process (tests/test_worker.py). Here every download fault happens in the real worker inside a
+real Slurm job, each request with its own fault (the stand-in's faults match a path prefix, and
+every request's page has its own paths), and the token endpoint's resets and timeouts go through
+the daemon: bounded retries, then exactly one error reply that names the cause.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bridge.standin.server import RodanStandin
+from tests.conftest import Queues, Rodan, bridge_environ, cancel_spool_jobs, jobs_named, jobs_started, wait_until
+from tests.test_daemon import Daemon
+
+pytestmark = [pytest.mark.slurm, pytest.mark.broker]
+
+SETTINGS = {
+    "Maximum number of training epochs": 1,
+    "Maximum number of samples per label": 100,
+    "Patch height": 64,
+    "Patch width": 64,
+    "Maximum time (D-HH:MM)": "0-00:15",
+    "Maximum memory (MB)": 2048,
+    "CPUs": 1,
+}
+DOWNLOAD_ATTEMPTS = 5  # the worker's RodanClient: 4 retries
+
+
+class Bridge:
+    def __init__(self, env: dict[str, str], log: Path, spool: Path, rodan: Rodan) -> None:
+        self.env, self.log, self.spool, self.rodan = env, log, spool, rodan
+        self.daemon: Daemon | None = None
+        self.replies: Counter[str] = Counter()
+        self.bodies: dict[str, dict[str, Any]] = {}
+
+    def start(self, **extra: str) -> Daemon:
+        self.daemon = Daemon({**self.env, **extra}, self.log, self.spool)
+        return self.daemon
+
+    def all_replied(self, corrs: list[str]) -> bool:
+        for corr, body, _headers in self.rodan.drain():
+            self.replies[corr or ""] += 1
+            self.bodies[corr or ""] = json.loads(body)
+        return all(self.replies[c] for c in corrs)
+
+    def error(self, corr: str) -> str:
+        assert self.replies[corr] == 1, f"{self.replies[corr]} replies for {corr}"
+        return str(self.bodies[corr].get("error", ""))
+
+    def stop(self) -> None:
+        if self.daemon is not None and self.daemon.proc.poll() is None:
+            self.daemon.proc.send_signal(signal.SIGTERM)
+            try:
+                self.daemon.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.daemon.proc.kill()
+
+
+@pytest.fixture
+def bridge(
+    broker_url: str, standin: RodanStandin, queues: Queues, rodan: Rodan, tmp_path: Path, slurm: None
+) -> Iterator[Bridge]:
+    spool = tmp_path / "spool"
+    env = bridge_environ(
+        broker_url, standin, queues, spool, HPC_LOG_FILE=str(tmp_path / "bridge.log"), HPC_GPU_RULES="none"
+    )
+    b = Bridge(env, tmp_path / "bridge.log", spool, rodan)
+    yield b
+    b.stop()
+    cancel_spool_jobs(spool)
+
+
+def hits(standin: RodanStandin, path: str) -> int:
+    return sum(1 for r in standin.requests if r.path == path)
+
+
+@pytest.mark.training
+def test_download_faults_in_real_jobs_end_in_one_clear_reply_each(
+    bridge: Bridge, standin: RodanStandin, rodan: Rodan, sample_inputs
+) -> None:
+    host = standin.host_port
+    pages = {
+        name: sample_inputs("new", n_layers=1, seed=seed)
+        for seed, name in enumerate(["burst", "5xx", "reset", "truncated", "timeout", "refused", "not_png"], start=40)
+    }
+    pages["burst"] = sample_inputs("new", n_layers=1, height=320, width=384, seed=40)
+    image = {name: page["Image"] for name, page in pages.items()}
+    layer = pages["refused"]["rgba PNG - Layer 0"]
+    standin.fail_next(2, status=503, paths=image["burst"])  # a burst shorter than the retries: recovers
+    standin.fail_next(1000, status=502, paths=image["5xx"])
+    standin.reset_next(1000, paths=image["reset"])
+    standin.truncate_next(1000, paths=image["truncated"])
+    standin.delay(40, paths=image["timeout"])  # longer than the worker's 30 s read timeout, every time
+    standin.fail_next(1000, status=401, paths=layer)
+    (standin.uploads_dir / "not-a-png").write_bytes(b"<html><body>Rodan's login page</body></html>")
+    pages["not_png"]["rgba PNG - Layer 0"] = "/uploads/not-a-png"
+
+    daemon = bridge.start()
+    corr = {name: rodan.publish_request(page, SETTINGS) for name, page in pages.items()}
+    wait_until(lambda: bridge.all_replied(list(corr.values())), 540, 2, "one reply per request")
+
+    models = bridge.bodies[corr["burst"]]
+    assert set(models) == {"Background Model", "Model 0"}, "a 5xx burst shorter than the retries is harmless"
+    assert hits(standin, image["burst"]) == 3
+
+    prefix = "the training job failed while downloading 'Image': download of "
+    assert bridge.error(corr["5xx"]) == f"{prefix}{host}{image['5xx']}: server answered 502"
+    error = bridge.error(corr["reset"])
+    assert error.startswith(f"{prefix}{host}{image['reset']} failed: ") and "Connection" in error, error
+    error = bridge.error(corr["truncated"])
+    assert error.startswith(f"{prefix}{host}{image['truncated']} truncated: "), error
+    got, of = map(int, re.fullmatch(r".* truncated: (\d+) of (\d+) bytes", error).groups())  # type: ignore[union-attr]
+    assert got == of // 2 > 0, "the stand-in sends half of the body: the reply says how much arrived"
+    error = bridge.error(corr["timeout"])
+    assert error.startswith(f"{prefix}{host}{image['timeout']} failed: ") and "Timeout" in error, error
+    for name in ("5xx", "reset", "truncated", "timeout"):
+        assert hits(standin, image[name]) == DOWNLOAD_ATTEMPTS, f"{name}: bounded retries"
+
+    error = bridge.error(corr["refused"])
+    assert error == (
+        f"the training job failed while downloading 'rgba PNG - Layer 0': download of {host}{layer} "
+        "refused (401): Unauthorized"
+    )
+    assert hits(standin, layer) == 1, "a 4xx is never retried"
+    error = bridge.error(corr["not_png"])
+    assert error.startswith("the training job failed while reading the input images: layer 'Model 0' (")
+    assert "is not a readable image" in error
+
+    for name, c in corr.items():
+        text = bridge.error(c) or f"models: {sorted(bridge.bodies[c])}"
+        print(f"\n{name}: {hits(standin, image[name])} GETs of the Image; reply: {text}")
+        assert len(jobs_started(f"rodan-{c}")) == 1, f"{name}: one job, never resubmitted"
+    wait_until(lambda: all(daemon.state(c) == "replied" for c in corr.values()), 60, 0.5, "the ledger to settle")
+    assert set(bridge.replies) == set(corr.values())
+    assert not list((bridge.spool / "outbox").glob("*.json"))
+
+
+def test_token_endpoint_resets_and_timeouts_defer_then_one_bounded_error(
+    bridge: Bridge, standin: RodanStandin, rodan: Rodan, queues: Queues, sample_inputs
+) -> None:
+    page = sample_inputs("new", n_layers=1, seed=50)
+    token = "/api/auth/token/"
+    daemon = bridge.start(HPC_RODAN_RETRIES="1", HPC_RODAN_TIMEOUT="2", HPC_MAX_ATTEMPTS="2")
+    standin.reset_next(1000, paths=token)
+    reset = rodan.publish_request(page, SETTINGS)
+    wait_until(lambda: bridge.all_replied([reset]), 120, 0.5, "the reply after connection resets")
+    standin.clear_faults()
+    standin.delay(6, paths=token)  # longer than HPC_RODAN_TIMEOUT
+    slow = rodan.publish_request(page, SETTINGS)
+    wait_until(lambda: bridge.all_replied([slow]), 120, 0.5, "the reply after timeouts")
+    standin.clear_faults()
+
+    url = standin.url
+    error = bridge.error(reset)
+    assert error.startswith("gave up after 2 attempts over several passes: ")
+    assert f"Rodan at {url} unreachable: ConnectionError" in error, error
+    error = bridge.error(slow)
+    assert error.startswith("gave up after 2 attempts over several passes: ")
+    assert f"Rodan at {url} unreachable: " in error and "Timeout" in error, error
+    posts = [r for r in standin.requests if r.path == token]
+    assert len(posts) == 2 * 2 * 2, "2 passes x (1 try + 1 retry) for each request: bounded"
+    for c in (reset, slow):
+        assert jobs_named(f"rodan-{c}") == [], "nothing was submitted"
+        assert daemon.state(c) == "rejected"
+    assert sorted(c for c, _b, _h in rodan.drain(queues.dead)) == sorted([reset, slow])
+    assert rodan.depth(queues.request) == 0
+    # Rodan is back: the next request goes through (the daemon did not give up on Rodan for good).
+    ok = rodan.publish_request(page, SETTINGS)
+    wait_until(lambda: daemon.state(ok) in ("submitted", "replied"), 60, 0.2, "the next request to be submitted")
+    assert bridge.replies[reset] == 1 and bridge.replies[slow] == 1
+
+
+def test_a_truncated_download_says_how_much_of_how_much_arrived(tmp_path: Path) -> None:
+    """Regression: a body cut short inside one read chunk was reported as 'truncated: 0 bytes'."""
+    from bridge.errors import TransientError
+    from bridge.rodan import RodanClient
+
+    (tmp_path / "f.bin").write_bytes(b"x" * 100_000)  # less than one 1 MiB read chunk
+    with RodanStandin(tmp_path) as server:
+        server.truncate_next(10, paths="/uploads/")
+        client = RodanClient(server.url, retries=1, backoff_s=0.01)
+        with pytest.raises(TransientError, match=r"truncated: 50000 of 100000 bytes$"):
+            client.download("/uploads/f.bin", tmp_path / "out")
+        assert hits(server, "/uploads/f.bin") == 2
+    assert not (tmp_path / "out").exists()
