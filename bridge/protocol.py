@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import jsonschema
 
@@ -101,8 +101,9 @@ REQUEST_SCHEMA: dict[str, Any] = {
 }
 _validator = jsonschema.Draft202012Validator(REQUEST_SCHEMA)
 
-_DURATION = re.compile(r"^(\d{1,3})-(\d{2}):(\d{2})$")
-_EMAIL = re.compile(r"^[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9-]{1,63}(\.[A-Za-z0-9-]{1,63})+$")
+# Matched with fullmatch: a '$' would also accept a trailing newline (into a batch-script directive).
+_DURATION = re.compile(r"([0-9]{1,3})-([0-9]{2}):([0-9]{2})")
+_EMAIL = re.compile(r"[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9-]{1,63}(\.[A-Za-z0-9-]{1,63})+")
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,7 @@ class JobRequest:
 
 def parse_duration_minutes(text: str) -> int:
     """``D-HH:MM`` -> minutes. Raises InvalidRequest naming the setting."""
-    match = _DURATION.match(text)
+    match = _DURATION.fullmatch(text)
     if not match:
         raise InvalidRequest(f"'Maximum time (D-HH:MM)' must look like 0-06:00, got {text!r}")
     days, hours, minutes = (int(g) for g in match.groups())
@@ -151,8 +152,10 @@ def decode_body(body: bytes) -> dict[str, Any]:
         raise InvalidRequest(f"request body is {len(body)} bytes, more than the {MAX_BODY_BYTES} allowed")
     try:
         data = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+    except ValueError as exc:  # UnicodeDecodeError, JSONDecodeError, an integer of more than 4300 digits
+        raise InvalidRequest(f"request body is not valid JSON: {str(exc)[:200]}") from None
+    except RecursionError:  # arrays or objects nested thousands deep
+        raise InvalidRequest("request body is not valid JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object with 'inputs' and 'settings'")
     return data
@@ -244,10 +247,15 @@ def check_resource(name: str, value: str) -> None:
         path = value
     else:
         parts = urlsplit(value)
-        if parts.scheme not in {"http", "https"} or not parts.netloc:
+        # Only the Rodan host gets the token, and which host that is must not depend on the parser:
+        # urllib3 (which connects) ends the authority at a backslash where urlsplit does not, so
+        # 'http://other\\@rodan/' would look like Rodan here and go to 'other' with the token.
+        # Rodan's URLs have no user info, backslash or white space.
+        ambiguous = "@" in parts.netloc or "\\" in value or any(c.isspace() for c in value)
+        if parts.scheme not in {"http", "https"} or not parts.hostname or ambiguous:
             raise InvalidRequest(f"input {name!r} must be a path on the Rodan host or an http(s) URL")
         path = parts.path
-    if ".." in path.split("/"):
+    if ".." in unquote(path).replace("\\", "/").split("/"):
         raise InvalidRequest(f"input {name!r} contains a '..' path segment")
 
 
@@ -260,7 +268,7 @@ def _settings(raw: Mapping[str, Any]) -> TrainingSettings:
     settings = TrainingSettings(**values)
     settings.max_time_minutes  # noqa: B018 - validates the format, raising InvalidRequest
     email = settings.notification_email
-    if email and not _EMAIL.match(email):
+    if email and not _EMAIL.fullmatch(email):
         raise InvalidRequest(f"'Slurm Notification Email' is not an e-mail address: {email!r}")
     return settings
 

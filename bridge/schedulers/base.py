@@ -146,14 +146,15 @@ class JobSpec:
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # A directive value may hold no white space, quote, backslash or shell metacharacter:
 # it is written verbatim after '#SBATCH ' and read back by the scheduler.
-_DIRECTIVE_VALUE = re.compile(r"^[A-Za-z0-9@%+=:,./_-]+$")
+# Matched with fullmatch: '$' would let a trailing newline through.
+_DIRECTIVE_VALUE = re.compile(r"[A-Za-z0-9@%+=:,./_-]+")
 # Environment variables a batch job must not inherit from the submitting process.
 _SECRET_ENV_PREFIXES = ("RABBITMQ_", "RODAN_", "HPC_BRIDGE_CREDENTIALS")
 
 
 def directive_value(name: str, value: object) -> str:
     text = str(value)
-    if not _DIRECTIVE_VALUE.match(text):
+    if not _DIRECTIVE_VALUE.fullmatch(text):
         raise ValueError(f"refusing unsafe value for {name}: {text!r}")
     return text
 
@@ -180,7 +181,7 @@ def render_environment(spec: JobSpec, scheduler: str) -> str:
     }
     lines = []
     for name, value in {**standard, **spec.environment}.items():
-        if not ENV_NAME.match(name):
+        if not ENV_NAME.fullmatch(name):
             raise ValueError(f"refusing unsafe value for environment variable name: {name!r}")
         if "\n" in value or "\0" in value:
             raise ValueError(f"refusing unsafe value for {name}: {value!r}")

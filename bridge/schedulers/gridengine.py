@@ -215,7 +215,8 @@ class GridEngineScheduler(Scheduler):
             records = [r for r in parse_qacct(acct.stdout) if r.get("jobnumber") == jid]
             if records:
                 found[jid] = accounting_info(jid, records[-1])
-            elif acct.returncode != 0 and not _no_record(acct.stdout + acct.stderr) and not found:
+            elif acct.returncode != 0 and not _no_record(acct.stdout + acct.stderr):
+                # Accounting unreadable: the job is unknown, not missing (see SlurmScheduler.query).
                 raise SchedulerUnavailable(f"qacct failed: {self.clean(acct.stdout + acct.stderr)}")
         return found
 

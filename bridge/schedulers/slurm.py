@@ -124,9 +124,11 @@ class SlurmScheduler(Scheduler):
                 ["sacct", "-n", "-X", "-P", "-j", ",".join(ask), "-o", "JobIDRaw,State,ExitCode,Elapsed"],
                 check=False,
             )
-            if acct.returncode != 0:
-                if not found:
-                    raise SchedulerUnavailable(f"sacct failed: {self.clean(acct.stderr)}")
+            # Accounting unreachable (slurmdbd down): a job that has left the queue is unknown, not
+            # missing. Absent from the result it would start the missing clock, and be judged
+            # "vanished" after HPC_MISSING_TIMEOUT when only accounting was down.
+            if acct.returncode != 0 and any(j not in found for j in job_ids):
+                raise SchedulerUnavailable(f"sacct failed: {self.clean(acct.stderr)}")
             for line in acct.stdout.splitlines():
                 parts = line.strip().split("|")
                 if len(parts) < 4 or parts[0] not in ask:

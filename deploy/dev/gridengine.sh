@@ -5,6 +5,8 @@
 #   bash deploy/dev/gridengine.sh down    stop sge_execd, then sge_qmaster (SIGTERM via their pid files)
 #   bash deploy/dev/gridengine.sh status  daemon pids + `qstat -g c`; exit 0 only when both daemons
 #                                         are alive and qmaster answers
+#   bash deploy/dev/gridengine.sh stop NAME  stop one daemon (sge_qmaster or sge_execd), for the fault
+#                                         tests; `up` starts it again (both idempotent)
 #
 # Target: Debian 12, run as root, no systemd (the daemons are started by hand). It coexists with the
 # Slurm dev cluster (deploy/dev/slurm.sh): it never touches munge or Slurm (SGE needs neither).
@@ -524,8 +526,13 @@ main() {
     up) cmd_up ;;
     down) cmd_down ;;
     status) cmd_status ;;
+    stop)
+      [[ ${2:-} =~ ^(sge_qmaster|sge_execd)$ ]] || die "usage: bash $0 stop sge_qmaster|sge_execd"
+      HOST=$(hostname)
+      stop_daemon "$2"
+      ;;
     *)
-      echo "usage: bash $0 up|down|status" >&2
+      echo "usage: bash $0 up|down|status|stop NAME" >&2
       exit 2
       ;;
   esac

@@ -4,6 +4,8 @@
 #   bash deploy/dev/slurm.sh up      install (if needed), configure, start, probe   (idempotent)
 #   bash deploy/dev/slurm.sh down    stop slurmd, slurmctld, slurmdbd, munged (SIGTERM, reverse order)
 #   bash deploy/dev/slurm.sh status  daemon pids + sinfo; exit 0 only when every daemon is alive
+#   bash deploy/dev/slurm.sh stop NAME  stop one daemon (slurmctld, slurmdbd, slurmd), for the fault
+#                                    tests; `up` starts it again (both idempotent)
 #
 # Target: Debian 12, run as root, no systemd (daemons are started by hand). Measured on a 2-core
 # box: first `up` 12 s (apt update + downloads included), `up` when everything already runs 0.5 s,
@@ -480,8 +482,12 @@ main() {
     up) cmd_up ;;
     down) cmd_down ;;
     status) cmd_status ;;
+    stop)
+      [[ ${2:-} =~ ^(slurmctld|slurmdbd|slurmd)$ ]] || die "usage: bash $0 stop slurmctld|slurmdbd|slurmd"
+      stop_daemon "$2" 20
+      ;;
     *)
-      echo "usage: bash $0 up|down|status" >&2
+      echo "usage: bash $0 up|down|status|stop NAME" >&2
       exit 2
       ;;
   esac
