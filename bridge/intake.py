@@ -208,7 +208,12 @@ class Intake:
             "inputs": request.inputs,
             "layers": [[layer.input_name, layer.reply_key] for layer in request.layers],
             "settings": asdict(request.settings),
-            "rodan": {"base_url": self.config.rodan_base_url, "token": token},
+            "rodan": {
+                "base_url": self.config.rodan_base_url,
+                "token": token,
+                "timeout_s": self.config.rodan_timeout_s,
+                "retries": self.config.rodan_retries,
+            },
             "broker": {"url": self.config.broker_url, "ca_file": self.config.broker_ca_file},
             "spool": str(self.spool.root),
             "runs_dir": str(self.config.runs_dir or self.spool.root / "runs"),

@@ -255,3 +255,16 @@ def test_no_continuation_left_is_one_error_reply_saying_where_training_stopped(
         TimeLimitWarning(time.time() - 1),
     )  # fmt: skip
     assert body is not None and fragment in json.loads(body)["error"]
+
+
+def test_the_bridges_rodan_timeout_and_retries_reach_the_worker(tmp_path: Path) -> None:
+    """The worker's downloads use HPC_RODAN_TIMEOUT / HPC_RODAN_RETRIES from the parameter file
+    (it used fixed 30 s and 4 retries, so a hanging Rodan cost every job ~165 s); an older file
+    without them gets the old defaults."""
+    from worker.job import JobParameters
+
+    base = {**parameters(tmp_path), "reply_to": "q", "inputs": {}, "layers": [], "settings": {}, "spool": str(tmp_path)}
+    given = JobParameters.from_json({**base, "rodan": {**base["rodan"], "timeout_s": 7.5, "retries": 1}})
+    assert (given.rodan_timeout_s, given.rodan_retries) == (7.5, 1)
+    older = JobParameters.from_json(base)
+    assert (older.rodan_timeout_s, older.rodan_retries) == (30.0, 4)

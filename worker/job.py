@@ -63,6 +63,8 @@ class JobParameters:
     max_reply_bytes: int
     run_dir: Path | None  # set once a first job created it: a continuation resumes there
     seed: int | None  # the bridge's HPC_TRAINING_SEED; None: the trainer draws one (and checkpoints it)
+    rodan_timeout_s: float = 30.0  # the bridge's HPC_RODAN_TIMEOUT and HPC_RODAN_RETRIES, for downloads
+    rodan_retries: int = 4
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> JobParameters:
@@ -74,6 +76,8 @@ class JobParameters:
             settings=dict(data["settings"]),
             rodan_base_url=str(data["rodan"]["base_url"]),
             token=str(data["rodan"].get("token", "")),
+            rodan_timeout_s=float(data["rodan"].get("timeout_s", 30.0)),
+            rodan_retries=int(data["rodan"].get("retries", 4)),
             broker_url=str(data["broker"]["url"]),
             broker_ca_file=data["broker"].get("ca_file"),
             spool=Path(data["spool"]),
@@ -287,7 +291,9 @@ def train(
     Inputs go to the run directory's ``inputs/`` (persistent: a continuation finds them
     there), or to ``workdir`` without a run directory.
     """
-    rodan = RodanClient(params.rodan_base_url, token=params.token)
+    rodan = RodanClient(
+        params.rodan_base_url, token=params.token, timeout_s=params.rodan_timeout_s, retries=params.rodan_retries
+    )
     inputs_dir = run_dir.path / "inputs" if run_dir is not None else workdir
     inputs_dir.mkdir(mode=0o700, exist_ok=True)
     files: dict[str, Path] = {}
