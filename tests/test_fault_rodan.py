@@ -37,7 +37,9 @@ SETTINGS = {
     "Maximum memory (MB)": 2048,
     "CPUs": 1,
 }
-DOWNLOAD_ATTEMPTS = 5  # the worker's RodanClient: 4 retries
+# The bridge's HPC_RODAN_RETRIES / HPC_RODAN_TIMEOUT reach the worker through the parameter file.
+RETRIES, TIMEOUT_S = 3, 5
+DOWNLOAD_ATTEMPTS = RETRIES + 1
 
 
 class Bridge:
@@ -104,12 +106,12 @@ def test_download_faults_in_real_jobs_end_in_one_clear_reply_each(
     standin.fail_next(1000, status=502, paths=image["5xx"])
     standin.reset_next(1000, paths=image["reset"])
     standin.truncate_next(1000, paths=image["truncated"])
-    standin.delay(40, paths=image["timeout"])  # longer than the worker's 30 s read timeout, every time
+    standin.delay(15, paths=image["timeout"])  # longer than the worker's read timeout, every time
     standin.fail_next(1000, status=401, paths=layer)
     (standin.uploads_dir / "not-a-png").write_bytes(b"<html><body>Rodan's login page</body></html>")
     pages["not_png"]["rgba PNG - Layer 0"] = "/uploads/not-a-png"
 
-    daemon = bridge.start()
+    daemon = bridge.start(HPC_RODAN_RETRIES=str(RETRIES), HPC_RODAN_TIMEOUT=str(TIMEOUT_S))
     corr = {name: rodan.publish_request(page, SETTINGS) for name, page in pages.items()}
     wait_until(lambda: bridge.all_replied(list(corr.values())), 540, 2, "one reply per request")
 
