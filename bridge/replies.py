@@ -144,16 +144,20 @@ class ReplyBox:
         sending = marker.with_suffix(".sending")
         expiration = UNCERTAIN_REPLY_TTL_MS if sending.exists() else None
         atomic_write(sending, b"")
+
+        def send(data: bytes) -> None:
+            publish(
+                channel,
+                entry.reply_to,
+                data,
+                correlation_id=entry.correlation_id,
+                persistent=True,
+                expiration_ms=expiration,
+            )
+
         try:
             try:
-                publish(
-                    channel,
-                    entry.reply_to,
-                    body,
-                    correlation_id=entry.correlation_id,
-                    persistent=True,
-                    expiration_ms=expiration,
-                )
+                send(body)
             except PermanentError as exc:
                 # The reply queue is gone or the broker refused the size: say so in a small error reply.
                 if reply_is_error(body):
@@ -161,14 +165,7 @@ class ReplyBox:
                 log.error("reply_refused", error=str(exc), bytes=len(body))
                 body = error_reply(f"the models could not be delivered: {exc}")
                 outcome = "error"
-                publish(
-                    channel,
-                    entry.reply_to,
-                    body,
-                    correlation_id=entry.correlation_id,
-                    persistent=True,
-                    expiration_ms=expiration,
-                )
+                send(body)
         except PermanentError:
             sending.unlink(missing_ok=True)  # refused by the broker: certainly not delivered
             raise
