@@ -81,7 +81,6 @@ def declare_own_queue(channel: BlockingChannel, name: str) -> int:
     return int(frame.method.message_count)
 
 
-
 def publish(
     channel: BlockingChannel,
     routing_key: str,

@@ -124,9 +124,7 @@ class Intake:
             record.attempts += 1
             record.reason = str(exc)
             if record.attempts >= self.config.max_attempts:
-                return self._reject(
-                    record, f"gave up after {record.attempts} attempts over several passes: {exc}"
-                )
+                return self._reject(record, f"gave up after {record.attempts} attempts over several passes: {exc}")
             if record.state is not RequestState.SUBMITTING:
                 record.state = RequestState.RECEIVED
             self.ledger.save(record)

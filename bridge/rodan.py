@@ -90,7 +90,6 @@ class RodanClient:
         self.token = self._retrying(attempt, "rodan_token")
         return self.token
 
-
     # --- resources -----------------------------------------------------------
     def resource_url(self, resource: str) -> str:
         return resource if resource.startswith(("http://", "https://")) else f"{self.base_url}{resource}"
@@ -150,7 +149,11 @@ class RodanClient:
         headers = {"Authorization": f"Token {self.token}"} if auth and self.token else {}
         try:
             response = self.session.request(
-                method, f"{self.base_url}{path}", headers=headers, timeout=self.timeout_s, **kwargs  # type: ignore[arg-type]
+                method,
+                f"{self.base_url}{path}",
+                headers=headers,
+                timeout=self.timeout_s,
+                **kwargs,  # type: ignore[arg-type]
             )
         except requests.RequestException as exc:
             raise TransientError(f"Rodan at {self.base_url} unreachable: {type(exc).__name__}") from exc

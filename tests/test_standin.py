@@ -159,16 +159,17 @@ def test_token_rodan_detail_style(make_srv):
 
 
 def test_token_url_shape_methods_and_media_types(srv):
-    r = requests.post(srv.url + "/api/auth/token", data={"email": EMAIL, "password": PASSWORD},
-                      allow_redirects=False, timeout=5)
+    r = requests.post(
+        srv.url + "/api/auth/token", data={"email": EMAIL, "password": PASSWORD}, allow_redirects=False, timeout=5
+    )
     assert r.status_code == 301 and r.headers["Location"] == "/api/auth/token/"
     r = requests.get(srv.url + "/api/auth/token/", timeout=5)
     assert r.status_code == 405 and r.json() == {"detail": 'Method "GET" not allowed.'}
-    r = requests.post(srv.url + "/api/auth/token/", data=b"email=x", timeout=5,
-                      headers={"Content-Type": "text/plain"})
+    r = requests.post(srv.url + "/api/auth/token/", data=b"email=x", timeout=5, headers={"Content-Type": "text/plain"})
     assert r.status_code == 415
-    r = requests.post(srv.url + "/api/auth/token/", data=b"{nope", timeout=5,
-                      headers={"Content-Type": "application/json"})
+    r = requests.post(
+        srv.url + "/api/auth/token/", data=b"{nope", timeout=5, headers={"Content-Type": "application/json"}
+    )
     assert r.status_code == 400 and r.json()["detail"].startswith("JSON parse error")
     assert requests.get(srv.url + "/api/nothing/", timeout=5).status_code == 404
 
@@ -256,8 +257,7 @@ def test_uploads_behind_auth(make_srv):
     assert r.status_code == 401
     r = requests.get(srv.url + "/uploads/f", headers={"Authorization": "Token " + "1" * 40}, timeout=5)
     assert (r.status_code, r.json()) == (401, {"detail": "Invalid token."})
-    r = requests.get(srv.url + "/uploads/f", headers={"Authorization": f"Token {token_for_email(EMAIL)}"},
-                     timeout=5)
+    r = requests.get(srv.url + "/uploads/f", headers={"Authorization": f"Token {token_for_email(EMAIL)}"}, timeout=5)
     assert r.status_code == 200 and r.content == b"x" * 10
 
 
@@ -381,7 +381,7 @@ def test_stop_with_open_keepalive_connection(tmp_path):
     s.close()
     with RodanStandin(tmp_path, users=[User("a@b.c", "a", "p", token="f" * 40)]) as again:
         assert re.fullmatch(r"http://127\.0\.0\.1:\d+", again.url)
-        assert again.host_port == again.url[len("http://"):]
+        assert again.host_port == again.url[len("http://") :]
         assert post_token(again, {"email": "a@b.c", "password": "p"}).json()["token"] == "f" * 40
 
 
@@ -392,15 +392,36 @@ def test_server_import_is_light_and_cli_serves(tmp_path):
     out_json = tmp_path / "req.json"
     env = {**os.environ, "STANDIN_PASSWORD": PASSWORD}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bridge.standin", "serve", "--uploads", str(tmp_path / "up"),
-         "--email", EMAIL, "--username", USERNAME, "--token-field", "username",
-         "--sample-page", str(out_json), "--generation", "old"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
+        [
+            sys.executable,
+            "-m",
+            "bridge.standin",
+            "serve",
+            "--uploads",
+            str(tmp_path / "up"),
+            "--email",
+            EMAIL,
+            "--username",
+            USERNAME,
+            "--token-field",
+            "username",
+            "--sample-page",
+            str(out_json),
+            "--generation",
+            "old",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
     )
     try:
         line = json.loads(proc.stdout.readline())
-        r = requests.post(line["url"] + "/api/auth/token/",
-                          data={"username": USERNAME, "email": EMAIL, "password": PASSWORD}, timeout=5)
+        r = requests.post(
+            line["url"] + "/api/auth/token/",
+            data={"username": USERNAME, "email": EMAIL, "password": PASSWORD},
+            timeout=5,
+        )
         assert r.status_code == 200
         request = json.loads(out_json.read_text())
         assert list(request["inputs"]) == OLD_NAMES and request["settings"] == {}
@@ -419,7 +440,7 @@ def test_server_import_is_light_and_cli_serves(tmp_path):
 
 def load(uploads: Path, path: str) -> Image.Image:
     assert RESOURCE_RE.match(path), path
-    image = Image.open(uploads / path[len("/uploads/"):])
+    image = Image.open(uploads / path[len("/uploads/") :])
     image.load()
     return image
 
@@ -478,8 +499,9 @@ def test_sample_page_deterministic_and_distinct(tmp_path):
 
 
 def test_sample_page_selected_box_and_jpeg(tmp_path):
-    inputs = make_sample_page(tmp_path, generation="old", height=120, width=100, selected_box=(10, 20, 90, 110),
-                              image_format="jpeg")
+    inputs = make_sample_page(
+        tmp_path, generation="old", height=120, width=100, selected_box=(10, 20, 90, 110), image_format="jpeg"
+    )
     image = load(tmp_path, inputs["Image"])
     assert image.format == "JPEG" and image.mode == "RGB" and image.size == (100, 120)
     masks = alpha_masks(tmp_path, inputs)

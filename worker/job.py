@@ -388,4 +388,3 @@ def _password(url: str) -> str:
     from urllib.parse import urlsplit
 
     return urlsplit(url).password or ""
-

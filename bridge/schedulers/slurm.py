@@ -146,9 +146,7 @@ class SlurmScheduler(Scheduler):
         if live.returncode != 0:
             raise SchedulerUnavailable(f"squeue failed: {self.clean(live.stderr)}")
         ids.update(line.strip() for line in live.stdout.splitlines() if line.strip())
-        acct = self._run(
-            ["sacct", "-n", "-X", "-P", "--name", name, "-S", "now-30days", "-o", "JobIDRaw"], check=False
-        )
+        acct = self._run(["sacct", "-n", "-X", "-P", "--name", name, "-S", "now-30days", "-o", "JobIDRaw"], check=False)
         if acct.returncode == 0:
             ids.update(line.strip() for line in acct.stdout.splitlines() if line.strip())
         return sorted(ids, key=int)
