@@ -2,8 +2,9 @@
 
 Marked ``exclusive``, so ``deploy/dev/test.sh`` runs it alone after the parallel phase, when the
 other test files' leftovers are all there. It scans every file under the pytest base temporary
-directories of this run and of the runs before it (every ``/tmp/pytest-of-$USER/pytest-N`` left:
-pytest keeps the newest three besides the current one): bridge logs, batch scripts (``job.sh``), scheduler output
+directories of this run: ``HPC_TEST_SCAN_DIRS`` (deploy/dev/test.sh gives both phases their base
+temp under one directory and names it there), else every ``/tmp/pytest-of-$USER/pytest-N`` left
+(pytest keeps the newest three besides the current one): bridge logs, batch scripts (``job.sh``), scheduler output
 (``job-*.out``), job logs and run directories (``job.log``, ``settings.json``...), parameter
 files left behind, ledgers, outboxes, the crash suite's ``argv.log`` files. A parameter file
 whose ledger record says the request is still open (a test that ended before its job did) holds
@@ -65,6 +66,9 @@ def secrets() -> dict[str, bytes]:
 
 
 def base_temps() -> list[Path]:
+    given = os.environ.get("HPC_TEST_SCAN_DIRS")  # deploy/dev/test.sh: this run's base temps, and only those
+    if given:
+        return [Path(d) for d in given.split(os.pathsep) if d]
     root = Path(f"/tmp/pytest-of-{getpass.getuser()}")
     runs = [p for p in root.glob("pytest-*") if p.is_dir() and not p.is_symlink() and p.name[7:].isdigit()]
     return sorted(runs, key=lambda p: int(p.name[7:]))  # pytest keeps only the newest few

@@ -14,13 +14,18 @@ echo "[test] mypy"
 echo "[test] pytest"
 # Two phases: everything that shares the services runs in parallel; the tests that stop a shared
 # service (marker "exclusive") run afterwards, alone. Both phases run; the exit status is the worst.
+# Each phase has its own base temp directory under one run directory, which the secrets scan
+# (tests/test_fault_secrets.py, exclusive) reads: everything the whole suite left, and only that.
+run_tmp=$(mktemp -d /tmp/hpc-bridge-tests.XXXXXX)
+export HPC_TEST_SCAN_DIRS="$run_tmp"
 status=0
-.venv/bin/python -m pytest -q -p no:cacheprovider -n "${HPC_TEST_WORKERS:-2}" --durations=20 -m "not exclusive" "$@" \
-    || status=$?
+.venv/bin/python -m pytest -q -p no:cacheprovider -n "${HPC_TEST_WORKERS:-2}" --durations=20 -m "not exclusive" \
+    --basetemp "$run_tmp/parallel" "$@" || status=$?
 echo "[test] pytest, tests that stop shared services (alone)"
-.venv/bin/python -m pytest -q -p no:cacheprovider --durations=10 -m exclusive "$@" || {
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=10 -m exclusive --basetemp "$run_tmp/exclusive" "$@" || {
     code=$?
     # 5: no test selected (e.g. extra arguments named only other tests) is not a failure.
     [ "$code" -eq 5 ] || status=$code
 }
+if [ "$status" -eq 0 ]; then rm -rf "$run_tmp"; else echo "[test] what the tests left: $run_tmp"; fi
 exit "$status"
