@@ -142,10 +142,13 @@ class Progress:
         key = (state, self._label, detail, None if fraction is None else round(fraction, 4), _freeze(fields))
         if key == self._last or self._finished:
             return self.tick()
+        shown_before = self._last[:4] if self._last is not None else None
         self._last = key
         if self.mode == "bar":
             self._draw()
         elif self.mode == "lines":
+            if key[:4] == shown_before:  # only JSON fields changed: the line would read the same
+                return False
             self._write(self.line() + "\n")
         elif self.mode == "json":
             self._json("progress", state=state, **self._json_fields())

@@ -139,6 +139,7 @@ def test_lines_mode_prints_one_plain_line_per_change() -> None:
     p.tick()
     clock.now += 7
     p.update("submitted", "slurm job 61", job_id="61")
+    p.update("submitted", "slurm job 61", job_id="61", job_state="PENDING")  # JSON fields only: no new line
     p.update("running", "slurm job 61  layer 1/1 epoch 1/2", fraction=0.5, job_id="61")
     p.note("a message")
     p.finish()
