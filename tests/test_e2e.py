@@ -521,11 +521,12 @@ def test_training_longer_than_one_job_continues_and_equals_an_uninterrupted_run(
 # (a Grid Engine successor starts as soon as its predecessor ends; a Slurm requeue waits ~12 s).
 @pytest.mark.parametrize("cluster", ["gridengine"], indirect=True)
 def test_a_training_needing_more_jobs_than_allowed_gets_one_error_reply(harness, rodan, sample_inputs):
-    harness.env.update(HPC_WARN_SECONDS="10", HPC_MAX_CONTINUATIONS="1")
+    # Warned 30 s into each one-minute job; 30 epochs of 1500 samples need ~10 minutes here, so two
+    # jobs can never finish it, however fast the machine (CI once finished 300 samples in two).
+    harness.env.update(HPC_WARN_SECONDS="30", HPC_MAX_CONTINUATIONS="1")
     page = sample_inputs("new", n_layers=1, height=320, width=384, seed=13)
-    corr = rodan.publish_request(
-        page, {**LONG, "Maximum number of training epochs": 30, "Maximum time (D-HH:MM)": "0-00:01"}
-    )
+    work = {**LONG, "Maximum number of training epochs": 30, "Maximum number of samples per label": 1500}
+    corr = rodan.publish_request(page, {**work, "Maximum time (D-HH:MM)": "0-00:01"})
     harness.drive([corr], timeout=400)
     error = only_reply(harness, corr)["error"]
     assert "training needs more time than 2 jobs of 60 s each: it stopped at layer" in error

@@ -56,6 +56,7 @@ def test_following_the_operator_guide_gives_a_working_cron_deployment(
         "HPC_DEAD_LETTER_QUEUE": queues.dead,
     }
     (tmp_path / "settings.json").write_text(json.dumps(settings))
+    (tmp_path / "settings.json").chmod(0o600)
     home = Path(f"/home/{USER}")
     try:
         followed = _follow("--settings", str(tmp_path / "settings.json"), "--section", "Install")
@@ -121,4 +122,5 @@ def test_following_the_operator_guide_gives_a_working_cron_deployment(
         assert "FAIL" not in upgraded.stdout
     finally:
         _follow("--cleanup", timeout=120)
+        (tmp_path / "settings.json").unlink()  # it holds the passwords, like a credentials.env
     assert subprocess.run(["id", USER], capture_output=True).returncode != 0

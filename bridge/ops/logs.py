@@ -156,7 +156,8 @@ def _short(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     text = value if isinstance(value, str) else json.dumps(value)
-    text = text.replace("\n", "\\n")
+    # Redact before cutting: a secret cut in two would no longer match and its first part would show.
+    text = redact(text).replace("\n", "\\n")
     if len(text) > _VALUE_LIMIT:
         text = text[: _VALUE_LIMIT - 3] + "..."
     return json.dumps(text) if " " in text else text
