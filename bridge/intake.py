@@ -241,11 +241,7 @@ class Intake:
         ids = self.scheduler.find_by_name(record.job_name) if record.job_name else []
         if not ids:
             return False
-        record.state = RequestState.SUBMITTED
-        record.job_id = ids[0]
-        record.job_ids = [ids[0]]
-        record.submitted_at = record.submitted_at or time.time()
-        self.ledger.save(record)
+        self.ledger.adopt_job(record, ids)
         log.warning("request_adopted_job", job_id=ids[0], jobs_with_name=ids)
         return True
 

@@ -94,6 +94,15 @@ class Ledger:
         record.updated_at = time.time()
         atomic_write_json(self._path(record.key), record.to_json())
 
+    def adopt_job(self, record: RequestRecord, job_ids: list[str]) -> None:
+        """A submit whose outcome was not recorded (a crash, a lost message) did make a job: the
+        request is that job's (the first of ``job_ids``, the scheduler's jobs with its name)."""
+        record.state = RequestState.SUBMITTED
+        record.job_id = job_ids[0]
+        record.job_ids = [job_ids[0]]
+        record.submitted_at = record.submitted_at or time.time()
+        self.save(record)
+
     def all(self) -> Iterator[RequestRecord]:
         for path in sorted(self.spool.ledger_dir.glob("*.json")):
             try:

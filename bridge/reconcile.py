@@ -223,9 +223,7 @@ class Reconciler:
                         log.warning("request_lost_check_deferred", error=str(exc))
                         continue
                     if ids:
-                        record.state, record.job_id, record.job_ids = RequestState.SUBMITTED, ids[0], [ids[0]]
-                        record.submitted_at = record.submitted_at or now
-                        self.ledger.save(record)
+                        self.ledger.adopt_job(record, ids)
                         log.warning("request_adopted_job", job_id=ids[0], jobs_with_name=ids)
                         continue
                 reason = (

@@ -45,15 +45,6 @@ log = structlog.get_logger(__name__)
 UNCERTAIN_REPLY_TTL_MS = 15 * 60 * 1000
 
 
-def _is_error(body: bytes) -> bool:
-    """``reply_is_error`` without JSON-decoding a models reply (a 31 MB body of four models took
-    76 ms and a body-sized copy to parse, twice per reply: benchmarks/README.md, reply publication).
-    An error reply's only key comes first; a large body that does not start with it is models."""
-    if len(body) > 1 << 20 and b'"error"' not in body[:64]:
-        return False
-    return reply_is_error(body)
-
-
 @dataclass(frozen=True)
 class StagedReply:
     key: str
@@ -98,7 +89,7 @@ class ReplyBox:
             "reply_to": reply_to,
             "origin": origin,
             "bytes": len(body),
-            "outcome": "error" if _is_error(body) else "ok",
+            "outcome": "error" if reply_is_error(body) else "ok",
             "staged_at": time.time(),
         }
         atomic_write_json(meta_path, meta)
@@ -136,7 +127,7 @@ class ReplyBox:
             return False
         if body is None:
             body = entry.body_path.read_bytes()
-        outcome = "error" if _is_error(body) else "ok"
+        outcome = "error" if reply_is_error(body) else "ok"
         fault_point("before_publish")
         # A publish under way when its process died may have reached the broker before the marker
         # was written: it goes out again (Rodan must not wait forever), but with an expiry, so that

@@ -48,9 +48,14 @@ class Daemon:
         return record["state"] if record else ""
 
     def stop(self) -> int:
+        """SIGTERM, and the exit status; killed (status -9) if it has not exited within 60 s."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=60)
+        try:
+            return self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(timeout=10)
 
 
 @pytest.fixture

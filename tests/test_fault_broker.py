@@ -46,7 +46,9 @@ from bridge.standin.server import RodanStandin
 from tests.conftest import Queues, Rodan, bridge_environ, cancel_spool_jobs, jobs_named, wait_until
 from tests.test_daemon import Daemon
 
-pytestmark = [pytest.mark.slurm, pytest.mark.broker]
+# One private node for the whole run: with pytest-xdist's --dist loadgroup (deploy/dev/test.sh) these
+# tests share one worker, so two nodes never boot at once on 2 cores (one then failed to start).
+pytestmark = [pytest.mark.slurm, pytest.mark.broker, pytest.mark.xdist_group("private_broker")]
 
 RABBIT_BIN = Path("/usr/lib/rabbitmq/bin")  # the real scripts (/usr/sbin's wrappers su to rabbitmq)
 STUB_SETTINGS = {
@@ -159,7 +161,9 @@ def _alive(pid: int) -> bool:
 @pytest.fixture(scope="session")
 def private_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateBroker]:
     if not (RABBIT_BIN / "rabbitmq-server").exists():
-        pytest.skip("a private RabbitMQ node needs the rabbitmq-server package on this machine")
+        if os.environ.get("RABBITMQ_URL"):  # the tests' broker is elsewhere: no server to start here
+            pytest.skip("a private RabbitMQ node needs the rabbitmq-server package on this machine")
+        pytest.fail("rabbitmq-server is not installed: deploy/dev/setup.sh installs it")
     # A short base path: Erlang and RabbitMQ dislike long socket and data paths.
     base = Path(tmp_path_factory.mktemp("rmq"))
     broker = PrivateBroker(base)
@@ -266,12 +270,8 @@ class Scene:
         return self.daemon.events(name)
 
     def teardown(self) -> None:
-        if self.daemon is not None and self.daemon.proc.poll() is None:
-            self.daemon.proc.send_signal(signal.SIGTERM)
-            try:
-                self.daemon.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.daemon.proc.kill()
+        if self.daemon is not None:
+            self.daemon.stop()
         cancel_spool_jobs(self.spool)
         if self.node.answers():
             connection = pika.BlockingConnection(pika.URLParameters(self.node.url))

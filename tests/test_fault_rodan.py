@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
-import subprocess
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -64,12 +62,8 @@ class Bridge:
         return str(self.bodies[corr].get("error", ""))
 
     def stop(self) -> None:
-        if self.daemon is not None and self.daemon.proc.poll() is None:
-            self.daemon.proc.send_signal(signal.SIGTERM)
-            try:
-                self.daemon.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.daemon.proc.kill()
+        if self.daemon is not None:
+            self.daemon.stop()
 
 
 @pytest.fixture

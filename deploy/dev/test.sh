@@ -19,7 +19,7 @@ echo "[test] pytest"
 run_tmp=$(mktemp -d /tmp/hpc-bridge-tests.XXXXXX)
 export HPC_TEST_SCAN_DIRS="$run_tmp"
 status=0
-.venv/bin/python -m pytest -q -p no:cacheprovider -n "${HPC_TEST_WORKERS:-2}" --durations=20 -m "not exclusive" \
+.venv/bin/python -m pytest -q -p no:cacheprovider -n "${HPC_TEST_WORKERS:-2}" --durations=20 -m "not exclusive" --dist loadgroup \
     --basetemp "$run_tmp/parallel" "$@" || status=$?
 echo "[test] pytest, tests that stop shared services (alone)"
 .venv/bin/python -m pytest -q -p no:cacheprovider --durations=10 -m exclusive --basetemp "$run_tmp/exclusive" "$@" || {
