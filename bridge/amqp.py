@@ -20,7 +20,7 @@ import pika
 import pika.exceptions
 from pika.adapters.blocking_connection import BlockingChannel
 
-from bridge.errors import BrokerUnavailable, PermanentError
+from bridge.errors import BrokerUnavailable, NoRoute, PermanentError
 
 # Anything pika raises when the broker is gone or the connection broke.
 CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
@@ -95,8 +95,9 @@ def publish(
     """Publish to the default exchange and wait for the broker's confirm.
 
     The channel must be in confirm mode (``channel.confirm_delivery()``).
-    Raises PermanentError when the broker refuses the message for good (too
-    large, unroutable) and BrokerUnavailable when the connection broke.
+    Raises NoRoute when no queue has that name, PermanentError when the broker
+    refuses the message itself (too large; the broker then closes the channel)
+    and BrokerUnavailable when the connection broke.
     """
     properties = pika.BasicProperties(
         correlation_id=correlation_id,
@@ -108,7 +109,7 @@ def publish(
     try:
         channel.basic_publish(exchange="", routing_key=routing_key, body=body, properties=properties, mandatory=True)
     except pika.exceptions.UnroutableError as exc:
-        raise PermanentError(f"no queue {routing_key!r} to route the message to") from exc
+        raise NoRoute(f"no queue {routing_key!r} to route the message to") from exc
     except pika.exceptions.NackError as exc:
         raise BrokerUnavailable(f"broker nacked the message to {routing_key!r}") from exc
     except pika.exceptions.ChannelClosedByBroker as exc:

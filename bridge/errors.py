@@ -49,3 +49,11 @@ class SchedulerUnavailable(TransientError):
 
 class BrokerUnavailable(TransientError):
     """The message broker could not be reached or dropped the connection."""
+
+
+class NoRoute(PermanentError):
+    """No queue by that name: the message was returned unrouted.
+
+    Permanent for this publish, but the queue's owner may declare it again (a broker's restart drops
+    Rodan's non-durable reply queue until Rodan reconnects): a staged reply waits for it, unchanged.
+    """

@@ -23,7 +23,8 @@ use this class; it needs the spool to be on storage both can reach.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,8 +32,8 @@ from typing import Any
 import structlog
 from pika.adapters.blocking_connection import BlockingChannel
 
-from bridge.amqp import publish
-from bridge.errors import PermanentError
+from bridge.amqp import CONNECTION_ERRORS, publish
+from bridge.errors import BrokerUnavailable, NoRoute, PermanentError
 from bridge.faults import fault_point
 from bridge.protocol import error_reply, reply_is_error
 from bridge.spool import Spool, atomic_write, atomic_write_json, read_json, safe_key
@@ -43,6 +44,27 @@ log = structlog.get_logger(__name__)
 #: died between publishing and writing the marker): long enough for a waiting Rodan task to take
 #: it if the first one never arrived, short enough to bound a duplicate's nack loop at Rodan.
 UNCERTAIN_REPLY_TTL_MS = 15 * 60 * 1000
+
+
+@contextmanager
+def _open_channel_like(channel: BlockingChannel) -> Iterator[BlockingChannel]:
+    """``channel`` if it is still open, else a new confirm-mode channel on its connection."""
+    if channel.is_open:
+        yield channel
+        return
+    try:
+        fresh = channel.connection.channel()
+        fresh.confirm_delivery()
+    except CONNECTION_ERRORS as exc:
+        raise BrokerUnavailable(f"no channel after the broker refused a reply: {type(exc).__name__}") from exc
+    try:
+        yield fresh
+    finally:
+        if fresh.is_open:
+            try:
+                fresh.close()
+            except CONNECTION_ERRORS:
+                pass
 
 
 @dataclass(frozen=True)
@@ -136,9 +158,9 @@ class ReplyBox:
         expiration = UNCERTAIN_REPLY_TTL_MS if sending.exists() else None
         atomic_write(sending, b"")
 
-        def send(data: bytes) -> None:
+        def send(on: BlockingChannel, data: bytes) -> None:
             publish(
-                channel,
+                on,
                 entry.reply_to,
                 data,
                 correlation_id=entry.correlation_id,
@@ -148,15 +170,23 @@ class ReplyBox:
 
         try:
             try:
-                send(body)
+                send(channel, body)
+            except NoRoute:
+                # The reply queue is gone (a broker's restart drops Rodan's non-durable queue until
+                # Rodan declares it again): the reply waits in the outbox, unchanged, for a later pass.
+                raise
             except PermanentError as exc:
-                # The reply queue is gone or the broker refused the size: say so in a small error reply.
+                # The broker refused the message itself (larger than its max_message_size) and
+                # closed the channel: these models can never go. The error reply replaces them on
+                # disk first, so that no later pass tries them again, then goes on a fresh channel.
                 if reply_is_error(body):
                     raise
                 log.error("reply_refused", error=str(exc), bytes=len(body))
                 body = error_reply(f"the models could not be delivered: {exc}")
                 outcome = "error"
-                send(body)
+                self._restage(entry, body)
+                with _open_channel_like(channel) as fresh:
+                    send(fresh, body)
         except PermanentError:
             sending.unlink(missing_ok=True)  # refused by the broker: certainly not delivered
             raise
@@ -182,6 +212,10 @@ class ReplyBox:
         for entry in self.staged():
             if not may_publish(entry):
                 continue
+            if not channel.is_open:
+                # Closed by the broker after it refused a reply for its size (the error reply went
+                # on a channel of its own): the channel's owner reconnects; the rest wait for it.
+                raise BrokerUnavailable("the broker closed the channel after refusing a reply")
             try:
                 published = self.publish_staged(channel, entry)
             except PermanentError as exc:
@@ -198,6 +232,13 @@ class ReplyBox:
             if published:
                 sent += 1
         return sent
+
+    def _restage(self, entry: StagedReply, body: bytes) -> None:
+        """Replace a staged reply's body (the metadata, written last, says it is complete)."""
+        atomic_write(entry.body_path, body)
+        meta = read_json(entry.meta_path)
+        meta.update(bytes=len(body), outcome="error" if reply_is_error(body) else "ok")
+        atomic_write_json(entry.meta_path, meta)
 
     def _drop(self, entry: StagedReply) -> None:
         self.spool.reply_marker(entry.key).with_suffix(".sending").unlink(missing_ok=True)

@@ -62,6 +62,11 @@ STUB_SETTINGS = {
 }
 
 
+#: The private node's max_message_size: far below HPC_MAX_REPLY_BYTES, the operator's mistake that
+#: makes the broker itself refuse a models reply.
+PRIVATE_MAX_MESSAGE = 1024 * 1024
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -81,7 +86,10 @@ class PrivateBroker:
         cookie.write_text(uuid.uuid4().hex.upper())
         cookie.chmod(0o400)
         (base / "enabled_plugins").write_text("[].\n")
-        (base / "rabbitmq.conf").write_text(f"listeners.tcp.1 = 127.0.0.1:{self.port}\nloopback_users.guest = true\n")
+        (base / "rabbitmq.conf").write_text(
+            f"listeners.tcp.1 = 127.0.0.1:{self.port}\nloopback_users.guest = true\n"
+            f"max_message_size = {PRIVATE_MAX_MESSAGE}\n"
+        )
         (base / "rabbitmq-env.conf").write_text("")
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(("RABBITMQ_", "ERL_"))}
         self.env.update(
@@ -498,6 +506,48 @@ def test_a_missing_reply_queue_leaves_the_reply_staged_and_the_pass_goes_on(
         assert method is not None and props.correlation_id == "corr-gone" and body == b'{"Model 0": "AAAA"}'
         channel.queue_delete(gone)
         channel.queue_delete(present)
+    finally:
+        connection.close()
+
+
+def test_models_the_broker_refuses_for_size_become_one_error_reply_and_are_never_tried_again(
+    tmp_path: Path, node: PrivateBroker
+) -> None:
+    """The broker closes the channel on an oversized message: the error reply replaces the models in
+    the outbox and goes on a fresh channel; the next staged reply waits for the owner's new channel."""
+    from bridge.errors import BrokerUnavailable
+    from bridge.replies import ReplyBox
+    from bridge.spool import Spool
+
+    box = ReplyBox(Spool(tmp_path / "spool").ensure())  # HPC_MAX_REPLY_BYTES' default, 128 MiB
+    queue = f"size-{uuid.uuid4().hex[:8]}"
+    models = json.dumps({"Model 0": "A" * (PRIVATE_MAX_MESSAGE + 4096)}).encode()
+    big = box.stage("corr-big", queue, models, origin="worker")
+    box.stage("corr-next", queue, b'{"error": "x"}', origin="reconcile")
+    connection = pika.BlockingConnection(pika.URLParameters(node.url))
+    try:
+        channel = connection.channel()
+        channel.confirm_delivery()
+        channel.queue_declare(queue)
+        with pytest.raises(BrokerUnavailable, match="closed the channel"):
+            box.flush(channel)
+        assert not channel.is_open and connection.is_open
+        marker = box.marker("corr-big")
+        assert marker is not None and marker["outcome"] == "error"
+        assert not big.body_path.exists() and [e.correlation_id for e in box.staged()] == ["corr-next"]
+        assert not box.spool.reply_marker("corr-next").with_suffix(".sending").exists(), "corr-next was not tried"
+        channel = connection.channel()
+        channel.confirm_delivery()
+        assert box.flush(channel) == 1 and not box.staged()
+        got = {}
+        while (message := channel.basic_get(queue, auto_ack=True))[0] is not None:
+            got[message[1].correlation_id] = json.loads(message[2])
+        assert set(got) == {"corr-big", "corr-next"}, "one reply each"
+        reason = got["corr-big"]["error"]
+        assert reason.startswith("the models could not be delivered: broker refused the message: ")
+        assert str(PRIVATE_MAX_MESSAGE) in reason, reason
+        assert box.flush(channel) == 0
+        channel.queue_delete(queue)
     finally:
         connection.close()
 

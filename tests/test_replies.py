@@ -10,7 +10,7 @@ import pika
 import pytest
 
 from bridge.amqp import connect
-from bridge.errors import BrokerUnavailable
+from bridge.errors import BrokerUnavailable, NoRoute
 from bridge.replies import ReplyBox
 from bridge.spool import Spool, atomic_write, safe_key
 
@@ -73,6 +73,42 @@ def test_reply_to_a_missing_queue_fails_loudly_and_stays_staged(tmp_path: Path, 
     with pytest.raises(Exception, match="no queue"):
         box.publish_staged(channel, entry)
     assert box.staged() and not box.already_replied("c")
+    connection.close()
+
+
+def test_models_for_a_missing_queue_stay_models_when_the_queue_appears_mid_publish(
+    tmp_path: Path, broker_url: str, queues, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (CI, stop 9): the queue came back between the unroutable models publish and the
+    error reply that used to replace it, and Rodan got "could not be delivered" instead of models."""
+    import bridge.replies as replies
+
+    box = ReplyBox(Spool(tmp_path).ensure())
+    connection = connect(broker_url)
+    channel = connection.channel()
+    channel.confirm_delivery()
+    real_publish, calls = replies.publish, []
+
+    def publish_then_rodan_declares(on, routing_key, body, **kw):  # type: ignore[no-untyped-def]
+        calls.append(body)
+        try:
+            real_publish(on, routing_key, body, **kw)
+        finally:
+            if len(calls) == 1:
+                channel.queue_declare(queues.reply)  # Rodan reconnects just after the first try
+
+    monkeypatch.setattr(replies, "publish", publish_then_rodan_declares)
+    models = b'{"Model 0": "AAAA"}'
+    entry = box.stage("corr-race", queues.reply, models, origin="worker")
+    with pytest.raises(NoRoute):
+        box.publish_staged(channel, entry)
+    assert calls == [models], "nothing but the models was published"
+    assert channel.basic_get(queues.reply, auto_ack=True)[0] is None, "no error reply reached Rodan"
+    assert [e.correlation_id for e in box.staged()] == ["corr-race"] and entry.body_path.read_bytes() == models
+    assert box.flush(channel) == 1 and not box.staged()
+    method, props, body = channel.basic_get(queues.reply, auto_ack=True)
+    assert method is not None and props.correlation_id == "corr-race" and body == models
+    assert box.marker("corr-race")["outcome"] == "ok"  # type: ignore[index]
     connection.close()
 
 
