@@ -378,14 +378,24 @@ def test_resume_under_mirrored_strategy_and_mixed_precision(tmp_path: Path) -> N
     """Variables mirrored over replicas and a LossScaleOptimizer (its loss scale and step count too)."""
     page = striped_page()
     page = Page(page.image, {"Layer 0": page.masks["Layer 0"]})
-    settings = dataclasses.replace(SETTINGS, epochs=1, batch_size=16, strategy=("/cpu:0",), mixed_precision="on")
+    # 16x16 patches: float16 convolutions on a CPU are slow, and with oneDNN on a CPU that has
+    # AVX512-FP16 (TensorFlow 2.21) very slow, ~1.3 s per batch of 16 at 32x32 (docs in distribute.py).
+    settings = dataclasses.replace(
+        SETTINGS,
+        epochs=1,
+        batch_size=16,
+        patch_height=16,
+        patch_width=16,
+        strategy=("/cpu:0",),
+        mixed_precision="on",
+    )
     reference = RecordingStore(tmp_path / "reference")
     expected: list[dict[str, Any]] = []
     train_page(page, settings, tmp_path / "a", on_epoch=expected.append, checkpoints=reference)
 
     stop = StopAt(None, batch=1)
     first = RecordingStore(tmp_path / "checkpoints")
-    with pytest.raises(TrainingInterrupted, match="layer 'Layer 0' epoch 1 batch 1 of 2"):
+    with pytest.raises(TrainingInterrupted, match="layer 'Layer 0' epoch 1 batch 1 of 3"):
         train_page(page, settings, tmp_path / "b", checkpoints=first, stop_requested=stop)
     state = first.load_latest()
     assert state is not None and state.current is not None

@@ -227,7 +227,11 @@ class PolicyProbe(keras.callbacks.Callback):  # type: ignore[misc]
 @pytest.mark.parametrize("setting", ["on", "bfloat16"])
 def test_mixed_precision_on_cpu_saves_a_float32_model(tmp_path: Path, setting: str) -> None:
     page = striped_page(160, 160)
-    settings = dataclasses.replace(TINY, mixed_precision=setting, include_optimizer=True)
+    # 16x16 patches: float16 convolutions on a CPU are slow (see test_resume's mixed-precision test).
+    side = 16
+    settings = dataclasses.replace(
+        TINY, mixed_precision=setting, include_optimizer=True, patch_height=side, patch_width=side
+    )
     centres = np.stack(np.meshgrid(np.arange(40, 120, 5), np.arange(40, 120, 10)), -1).reshape(-1, 2)[:40]
     result = train_label(
         page, "Layer 0", centres, settings, shuffle_rng=np.random.default_rng(0), callbacks=[PolicyProbe()]
@@ -249,10 +253,10 @@ def test_mixed_precision_on_cpu_saves_a_float32_model(tmp_path: Path, setting: s
     with dtype_policy("float32"):
         model = keras.models.load_model(path)
     assert type(model.optimizer).__name__ == "Adam"
-    patch = page.image[50 : 50 + PATCH, 60 : 60 + PATCH]
+    patch = page.image[50 : 50 + side, 60 : 60 + side]
     x = ((255.0 - patch[np.newaxis, ..., ::-1]) / 255.0).astype(np.float32)
     prediction = model.predict(x, verbose=0)
-    assert prediction.dtype == np.float32 and prediction.shape == (1, PATCH, PATCH, 1)
+    assert prediction.dtype == np.float32 and prediction.shape == (1, side, side, 1)
     assert np.all((prediction >= 0) & (prediction <= 1)) and np.all(np.isfinite(prediction))
 
 
