@@ -47,22 +47,19 @@ UNCERTAIN_REPLY_TTL_MS = 15 * 60 * 1000
 
 
 @contextmanager
-def _open_channel_like(channel: BlockingChannel) -> Iterator[BlockingChannel]:
-    """``channel`` if it is still open, else a new confirm-mode channel on its connection."""
-    if channel.is_open:
-        yield channel
-        return
+def _spare_channel(channel: BlockingChannel) -> Iterator[BlockingChannel]:
+    """A new confirm-mode channel on ``channel``'s connection, closed on leaving the block."""
     try:
-        fresh = channel.connection.channel()
-        fresh.confirm_delivery()
+        spare = channel.connection.channel()
+        spare.confirm_delivery()
     except CONNECTION_ERRORS as exc:
         raise BrokerUnavailable(f"no channel after the broker refused a reply: {type(exc).__name__}") from exc
     try:
-        yield fresh
+        yield spare
     finally:
-        if fresh.is_open:
+        if spare.is_open:
             try:
-                fresh.close()
+                spare.close()
             except CONNECTION_ERRORS:
                 pass
 
@@ -184,9 +181,9 @@ class ReplyBox:
                 log.error("reply_refused", error=str(exc), bytes=len(body))
                 body = error_reply(f"the models could not be delivered: {exc}")
                 outcome = "error"
-                self._restage(entry, body)
-                with _open_channel_like(channel) as fresh:
-                    send(fresh, body)
+                self.stage(entry.correlation_id, entry.reply_to, body, origin=entry.origin)
+                with _spare_channel(channel) as spare:
+                    send(spare, body)
         except PermanentError:
             sending.unlink(missing_ok=True)  # refused by the broker: certainly not delivered
             raise
@@ -232,13 +229,6 @@ class ReplyBox:
             if published:
                 sent += 1
         return sent
-
-    def _restage(self, entry: StagedReply, body: bytes) -> None:
-        """Replace a staged reply's body (the metadata, written last, says it is complete)."""
-        atomic_write(entry.body_path, body)
-        meta = read_json(entry.meta_path)
-        meta.update(bytes=len(body), outcome="error" if reply_is_error(body) else "ok")
-        atomic_write_json(entry.meta_path, meta)
 
     def _drop(self, entry: StagedReply) -> None:
         self.spool.reply_marker(entry.key).with_suffix(".sending").unlink(missing_ok=True)

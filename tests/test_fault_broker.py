@@ -36,11 +36,13 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pika
 import pytest
+from pika.adapters.blocking_connection import BlockingChannel
 
 from bridge.standin.server import RodanStandin
 from tests.conftest import Queues, Rodan, bridge_environ, cancel_spool_jobs, jobs_named, wait_until
@@ -154,6 +156,18 @@ class PrivateBroker:
         pid_file = self.base / "rabbit.pid"
         if pid_file.exists() and (text := pid_file.read_text().strip()) and _alive(int(text)):
             os.kill(int(text), signal.SIGKILL)
+
+
+@contextmanager
+def confirm_channel(url: str) -> Iterator[BlockingChannel]:
+    """A confirm-mode channel on a connection of its own, closed on leaving the block."""
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        channel = connection.channel()
+        channel.confirm_delivery()
+        yield channel
+    finally:
+        connection.close()
 
 
 def _alive(pid: int) -> bool:
@@ -491,10 +505,7 @@ def test_a_missing_reply_queue_leaves_the_reply_staged_and_the_pass_goes_on(
     gone, present = f"gone-{uuid.uuid4().hex[:8]}", f"here-{uuid.uuid4().hex[:8]}"
     box.stage("corr-gone", gone, b'{"Model 0": "AAAA"}', origin="worker")
     box.stage("corr-here", present, b'{"error": "x"}', origin="reconcile")
-    connection = pika.BlockingConnection(pika.URLParameters(node.url))
-    try:
-        channel = connection.channel()
-        channel.confirm_delivery()
+    with confirm_channel(node.url) as channel:
         channel.queue_declare(present)
         assert box.flush(channel) == 1
         assert [e.correlation_id for e in box.staged()] == ["corr-gone"]
@@ -506,8 +517,6 @@ def test_a_missing_reply_queue_leaves_the_reply_staged_and_the_pass_goes_on(
         assert method is not None and props.correlation_id == "corr-gone" and body == b'{"Model 0": "AAAA"}'
         channel.queue_delete(gone)
         channel.queue_delete(present)
-    finally:
-        connection.close()
 
 
 def test_models_the_broker_refuses_for_size_become_one_error_reply_and_are_never_tried_again(
@@ -524,10 +533,8 @@ def test_models_the_broker_refuses_for_size_become_one_error_reply_and_are_never
     models = json.dumps({"Model 0": "A" * (PRIVATE_MAX_MESSAGE + 4096)}).encode()
     big = box.stage("corr-big", queue, models, origin="worker")
     box.stage("corr-next", queue, b'{"error": "x"}', origin="reconcile")
-    connection = pika.BlockingConnection(pika.URLParameters(node.url))
-    try:
-        channel = connection.channel()
-        channel.confirm_delivery()
+    with confirm_channel(node.url) as channel:
+        connection = channel.connection
         channel.queue_declare(queue)
         with pytest.raises(BrokerUnavailable, match="closed the channel"):
             box.flush(channel)
@@ -548,8 +555,6 @@ def test_models_the_broker_refuses_for_size_become_one_error_reply_and_are_never
         assert str(PRIVATE_MAX_MESSAGE) in reason, reason
         assert box.flush(channel) == 0
         channel.queue_delete(queue)
-    finally:
-        connection.close()
 
 
 def test_worker_leaves_the_reply_staged_when_the_broker_goes_between_connect_and_publish(

@@ -19,6 +19,21 @@ from bridge.ops.metrics import display_state, render
 from bridge.ops.status import Row, format_duration, format_table, parse_duration, select
 from tests.conftest import FAST_SETTINGS, Cluster, bridge_environ, cancel_ledger_jobs, run_bridge, wait_until
 
+
+def sleeping_worker(tmp_path: Path) -> Path:
+    """A stand-in for the worker's Python that keeps its job running for two minutes."""
+    sleeper = tmp_path / "sleeper"
+    sleeper.write_text("#!/bin/sh\nexec sleep 120\n")
+    sleeper.chmod(0o755)
+    return sleeper
+
+
+def check_pass(env: dict[str, str]) -> None:
+    """One ``hpc-bridge check`` pass, which must succeed."""
+    result = run_bridge(env, "check")
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
 # --- units ---------------------------------------------------------------------------------------
 
 
@@ -176,14 +191,11 @@ def test_status_and_metrics_on_real_requests(broker_url, standin, queues, rodan,
         HPC_MAX_ATTEMPTS="50",
         HPC_RODAN_RETRIES="0",
     )
-    sleeper = tmp_path / "sleeper"
-    sleeper.write_text("#!/bin/sh\nexec sleep 120\n")
-    sleeper.chmod(0o755)
+    sleeper = sleeping_worker(tmp_path)
     page = sample_inputs("new", n_layers=1, seed=11)
 
     def check(**extra: str) -> None:
-        result = run_bridge({**env, **extra}, "check")
-        assert result.returncode == 0, result.stderr[-2000:]
+        check_pass({**env, **extra})
 
     try:
         bad = rodan.publish(b"{not json")
@@ -303,14 +315,11 @@ def test_status_shows_live_grid_engine_jobs(broker_url, standin, queues, rodan, 
         HPC_LOG_FILE=str(tmp_path / "bridge.log"),
         HPC_METRICS_FILE=str(metrics),
     )
-    sleeper = tmp_path / "sleeper"
-    sleeper.write_text("#!/bin/sh\nexec sleep 120\n")
-    sleeper.chmod(0o755)
+    sleeper = sleeping_worker(tmp_path)
     page = sample_inputs("new", n_layers=1, seed=21)
 
     def check(**extra: str) -> None:
-        result = run_bridge({**env, **extra}, "check")
-        assert result.returncode == 0, result.stderr[-2000:]
+        check_pass({**env, **extra})
 
     def job_of(corr: str) -> str:
         return str(json.loads((spool / "ledger" / f"{corr}.json").read_text())["job_id"])
