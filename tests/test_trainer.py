@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -325,8 +326,11 @@ def test_tiny_training_writes_loadable_models(trained: tuple[dict[str, Path], li
         prediction = model.predict(x, verbose=0)
         assert prediction.shape == (1, PATCH, PATCH, 1)
         assert np.all((prediction >= 0) & (prediction <= 1))
-        with h5py.File(path, "r") as f:  # no optimizer state by default
-            assert "optimizer_weights" not in f and "training_config" not in f.attrs
+        with h5py.File(path, "r") as f:  # compiled as the seed compiled it, without optimizer state by default
+            assert "optimizer_weights" not in f
+            training = json.loads(f.attrs["training_config"])
+            assert (training["loss"], training["metrics"]) == ("binary_crossentropy", ["accuracy"])
+            assert training["optimizer_config"]["class_name"] == "Adam"
         assert path.stat().st_size < 6_000_000
 
 
@@ -361,6 +365,18 @@ class Recorder(keras.callbacks.Callback):  # type: ignore[misc]
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         self.weights.append([np.array(w) for w in self.model.get_weights()])
         self.optimizer.append([np.array(keras.ops.convert_to_numpy(v)) for v in self.model.optimizer.variables])
+        self.optimizer_paths = [v.path for v in self.model.optimizer.variables]
+        self.trainable_paths = [v.path for v in self.model.trainable_variables]
+
+    def keras2_adam(self, epoch: int) -> dict[str, np.ndarray]:
+        """Adam's state after ``epoch`` (0-based) under its Keras 2 names, matched by variable path."""
+        # Keras 3 names them "<optimizer>/iteration", "<optimizer>/conv1_1_kernel_momentum", ...
+        by_path = {p.split("/", 1)[1]: v for p, v in zip(self.optimizer_paths, self.optimizer[epoch], strict=True)}
+        state = {"Adam/iter:0": by_path["iteration"]}
+        for moment, suffix in (("m", "momentum"), ("v", "velocity")):
+            for path in self.trainable_paths:
+                state[f"Adam/{path}/{moment}:0"] = by_path[f"{path.replace('/', '_')}_{suffix}"]
+        return state
 
 
 @pytest.mark.training
@@ -395,14 +411,19 @@ def test_saved_model_is_the_best_epoch(tmp_path: Path) -> None:
     assert not np.allclose(loaded.predict(x, verbose=0), last.predict(x, verbose=0), atol=1e-3)
 
     # include_optimizer=True: Adam's state of the best epoch is in the file, and it loads compiled.
+    # Stored in Keras 2's order (iterations, every first moment, every second moment), under the
+    # names Keras 2 gives them: matched here by the trained variables' paths, not by position.
     full = save_model(result, tmp_path / "full.hdf5", settings)
     with h5py.File(full, "r") as f:
         group = f["optimizer_weights"]
         names = [n.decode() if isinstance(n, bytes) else n for n in group.attrs["weight_names"]]
-        stored = [np.asarray(group[name]) for name in names]
-    assert len(stored) == len(recorder.optimizer[best])
-    for ours, theirs in zip(stored, recorder.optimizer[best], strict=True):
-        np.testing.assert_array_equal(ours, theirs)
+        stored = {name: np.asarray(group[name]) for name in names}
+    expected = recorder.keras2_adam(best)
+    assert names == list(expected)  # iter, m of every weight, v of every weight
+    assert names[1].endswith("/m:0") and names[-1].endswith("/v:0")
+    for name, value in expected.items():
+        np.testing.assert_array_equal(stored[name], value)
+    assert int(stored["Adam/iter:0"]) == math.ceil(result.train_samples / settings.batch_size) * (best + 1)
     assert full.stat().st_size > 2.5 * plain.stat().st_size
     assert keras.models.load_model(full).optimizer is not None
 

@@ -20,8 +20,8 @@ def _conv(filters: int, size: int, name: str) -> Any:
     )
 
 
-def build_sae(height: int, width: int) -> Any:
-    """Return the uncompiled SAE for ``height`` x ``width`` RGB patches.
+def build_sae(height: int | None, width: int | None) -> Any:
+    """Return the uncompiled SAE for ``height`` x ``width`` RGB patches (``None``: any size).
 
     Two convolutions per level down (32, 64 filters, 2x2 max-pooling after each), a
     256-filter bottleneck of two convolutions, two up-sampling levels that each
@@ -61,12 +61,20 @@ def build_sae(height: int, width: int) -> Any:
     return keras.Model(inputs=inputs, outputs=outputs, name="sae")
 
 
-def compile_sae(model: Any) -> None:
-    """Compile ``model`` as the original does: Adam(1e-4), binary cross-entropy, accuracy."""
+def compile_sae(model: Any, *, weighted_accuracy: bool = False) -> None:
+    """Compile ``model`` as the original does: Adam(1e-4), binary cross-entropy, accuracy.
+
+    ``weighted_accuracy`` computes accuracy with the batches' sample weights (Keras'
+    ``weighted_metrics``): for training on several replicas, whose padded batches weigh
+    their copies 0 (see :class:`worker.trainer.dataset.PatchDataset`). Without sample
+    weights both are the same accuracy.
+    """
+    accuracy = ["accuracy"]
     model.compile(
         optimizer=keras.optimizers.Adam(learning_rate=LEARNING_RATE),
         loss="binary_crossentropy",
-        metrics=["accuracy"],
+        metrics=None if weighted_accuracy else accuracy,
+        weighted_metrics=accuracy if weighted_accuracy else None,
     )
 
 

@@ -1,22 +1,67 @@
-"""Writing trained models: legacy Keras HDF5 files that Rodan loads with ``load_model``."""
+"""Writing trained models: Keras HDF5 files that Rodan's own TensorFlow opens.
+
+**Who reads these files.** Rodan's classifier job opens each model with
+``tensorflow.keras.models.load_model(path)`` (no ``custom_objects``, compiled) and predicts
+on windows of the page; its trainer job takes earlier models on its input ports and
+continues training them with ``fit``. Rodan's GPU container runs Python 3.7 with
+TensorFlow 2.5.1 (Paco_classifier v2.0.4 pins ``tensorflow==2.5.1``, ``h5py~=3.1.0``);
+the newest Paco_classifier runs TensorFlow 2.15.1 on Python 3.11. Both are Keras 2. The
+worker trains with Keras 3 (TensorFlow 2.16 and later).
+
+**Why not ``model.save``.** Keras 3 writes its own model config into the ``.hdf5``:
+``batch_shape`` and ``optional`` on the input layer, dtype policies and initializers as
+objects with ``module`` and ``registered_name``, nodes as ``args``/``kwargs``. TensorFlow
+2.5.1 refuses it (``Unrecognized keyword arguments: ['batch_shape', 'optional']``), and so
+does 2.15.1 (``Error when deserializing class 'InputLayer'``). The weights Keras 3 writes
+were never the problem; the schema around them is.
+
+**What we write instead.** :mod:`worker.trainer.keras2_hdf5` writes the whole file in the
+schema of TensorFlow 2.5's Keras (2.5.0), which TensorFlow 2.15 and Keras 3 read too: the
+model config translated key by key from Keras 3's (a key it does not know fails, so a
+Keras upgrade that changes what it writes fails a test), the training config (binary
+cross-entropy, accuracy, Adam(1e-4) as the seed compiled it, so the file loads compiled
+and ``fit`` works on it), the float32 weights, and with ``include_optimizer`` Adam's
+state of the best epoch in Keras 2's variable order. No second TensorFlow is needed: only
+h5py and JSON. ``tests/test_consumers.py`` loads every model of a real training in
+TensorFlow 2.5.1 (Python 3.7), 2.15.1 (Python 3.11) and the worker's Keras 3, and checks
+``predict`` against the trained weights and one ``fit`` step against the seed's loss,
+metric and optimizer (``consumers/``).
+
+**Any window size.** The saved input is ``(None, None, None, 3)``: the network is fully
+convolutional, so the model predicts windows of any height and width that are multiples
+of 4 (it pools twice by 2), whatever patch size it trained on. Rodan's classifier may use
+its own Height/Width.
+
+**Float32 always.** The file is written from a freshly built float32 model given the best
+weights (float32 variables under any precision policy), never from the model that trained.
+
+**Known limit (Keras 3 only).** Keras 3's HDF5 reader (3.15) builds a loaded model's
+optimizer for ``model._trainable_variables``, which is empty for a functional model: any
+``.hdf5`` that carries optimizer state, its own files included, loads and predicts there but
+``fit`` fails with ``Unknown variable``. Keras 3 users continue such a file with
+``load_model(path, compile=False)`` and ``compile``. Rodan's TensorFlow 2.5.1 and 2.15.1
+restore the state and train on (the consumer test checks one step against the worker's).
+"""
 
 from __future__ import annotations
 
-import logging
 import os
 import re
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy.typing as npt
 
+from worker.trainer import keras2_hdf5
+from worker.trainer.distribute import dtype_policy
 from worker.trainer.model import build_sae, compile_sae
-from worker.trainer.settings import TrainSettings
+from worker.trainer.settings import PATCH_MULTIPLE, TrainSettings
 
 MODEL_SUFFIX = ".hdf5"
+#: What a saved model accepts, for logs and guides (see the module docstring).
+MODEL_INPUT = f"windows of any height and width that are multiples of {PATCH_MULTIPLE}"
 
 
 @dataclass
@@ -48,41 +93,26 @@ def model_file_names(labels: Iterable[str]) -> dict[str, str]:
     return names
 
 
-@contextmanager
-def _quiet(logger_name: str) -> Iterator[None]:
-    logger = logging.getLogger(logger_name)
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
 def save_model(result: LabelResult, path: Path, settings: TrainSettings) -> Path:
-    """Write ``result`` as a legacy Keras HDF5 file that ``keras.models.load_model`` reads.
+    """Write ``result`` as a compiled Keras 2 HDF5 model file (see the module docstring).
 
-    The file is written from a freshly built model given the best weights, never from the
-    model that trained: in Keras 3.15 an HDF5 save with the optimizer mutates the model's
-    compile config. Without ``settings.include_optimizer`` the model is saved uncompiled
-    (it loads uncompiled, which is all inference needs); with it, the model is compiled as
-    for training and its Adam variables are set to those of the best epoch. The file
-    appears under ``path`` only once it is complete.
+    With ``settings.include_optimizer`` the file also holds Adam's state of the best epoch.
+    The file appears under ``path`` only once it is complete.
     """
-    model = build_sae(settings.patch_height, settings.patch_width)
+    with dtype_policy("float32"):
+        model = build_sae(None, None)
+        compile_sae(model)
     model.set_weights(result.weights)
+    state = None
     if settings.include_optimizer:
         if result.optimizer_variables is None:
             raise ValueError(f"no optimizer state was kept for layer {result.label!r}")
-        compile_sae(model)
         model.optimizer.build(model.trainable_variables)
-        for variable, value in zip(model.optimizer.variables, result.optimizer_variables, strict=True):
-            variable.assign(value)
+        state = result.optimizer_variables
     path = Path(path)
     partial = path.with_name(f".{path.stem}.partial{path.suffix}")
     try:
-        with _quiet("absl"):  # "HDF5 ... is considered legacy": it is what Rodan reads
-            model.save(str(partial), include_optimizer=settings.include_optimizer)
+        keras2_hdf5.write(partial, model, state)
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
