@@ -32,7 +32,7 @@ sampler draws the full 10,000 centres per layer.
 GB are 10**9 bytes.
 
     .venv/bin/python benchmarks/bench_memory.py                                   # ~3 min on 2 cores
-    .venv/bin/python benchmarks/bench_memory.py --mixed-precision auto bfloat16   # also the opt-in bf16
+    .venv/bin/python benchmarks/bench_memory.py --mixed-precision off bfloat16    # also the opt-in bf16
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ def child_seed(args: argparse.Namespace) -> dict[str, Any]:
 # --------------------------------------------------------------------------- parent
 
 
-def run_child(kind: str, args: argparse.Namespace, precision: str = "auto") -> dict[str, Any]:
+def run_child(kind: str, args: argparse.Namespace, precision: str = "off") -> dict[str, Any]:
     command = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--precision", precision]
     for name in ("samples", "layers", "patch", "batch", "steps", "val_steps", "height", "width", "seed_samples"):
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
@@ -230,11 +230,11 @@ def main() -> int:
     parser.add_argument("--width", type=int, default=4872)
     parser.add_argument("--seed-samples", type=int, default=250, help="samples per label of the seed's measured run")
     parser.add_argument(
-        "--mixed-precision", nargs="+", default=["auto"], choices=["auto", "on", "off", "bfloat16"],
+        "--mixed-precision", nargs="+", default=["off"], choices=["off", "float16", "bfloat16"],
         help="our runs, one per value",
     )  # fmt: skip
     parser.add_argument("--child", choices=["ours", "seed"], help=argparse.SUPPRESS)
-    parser.add_argument("--precision", default="auto", help=argparse.SUPPRESS)
+    parser.add_argument("--precision", default="off", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.child == "ours":
@@ -250,7 +250,7 @@ def main() -> int:
     seed = run_child("seed", args)
     print(f"seed getTrain at {args.seed_samples} per label: {json.dumps(seed)}", flush=True)
 
-    reference = next(iter(ours.values()))  # the first (default "auto") run: TF's training footprint
+    reference = next(iter(ours.values()))  # the first (default "off") run: TF's training footprint
     training_footprint = reference["peak"]
     nominal = args.layers * args.samples
     per_sample = args.patch * args.patch * 3 * 8 + args.patch * args.patch  # float64 X + bool Y

@@ -8,10 +8,10 @@ steps (the first one traces the ``tf.function``) are excluded; every timed step 
 reading its loss back, so the GPU has finished it (this forgoes overlapping one step's
 dispatch with the next: a slight underestimate on a GPU).
 
-It runs unchanged on a GPU node: with one GPU it trains there under ``mixed_float16``; with
-several, under ``MirroredStrategy`` with ``--batch`` per replica (so the global batch, and the
-samples/s, grow with the GPUs). ``--strategy`` and ``--mixed-precision`` override the
-choice as ``TrainSettings`` does.
+It runs unchanged on a GPU node: with one GPU it trains there (float32, as the product does
+unless an operator opts in); with several, under ``MirroredStrategy`` sharing the global
+``--batch`` among them (so a step takes the same patches, in less time). ``--strategy`` and
+``--mixed-precision`` override the choice as ``TrainSettings`` does.
 
     .venv/bin/python benchmarks/bench_throughput.py                      # 64x64 and 256x256
     .venv/bin/python benchmarks/bench_throughput.py --patch 64 --steps 30
@@ -113,7 +113,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=2, help="untimed first steps (the first one traces)")
     parser.add_argument("--batch", type=int, default=16, help="batch size per replica")
     parser.add_argument("--strategy", default="auto", help='"auto", "mirrored", "default" or devices "/cpu:0,..."')
-    parser.add_argument("--mixed-precision", default="auto", choices=["auto", "on", "off", "bfloat16"])
+    parser.add_argument("--mixed-precision", default="off", choices=["off", "float16", "bfloat16"])
     args = parser.parse_args()
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup and --steps must be at least 1 (the first step traces the function)")

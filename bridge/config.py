@@ -21,6 +21,8 @@ from bridge.errors import ConfigError
 
 DEFAULT_CREDENTIALS = Path("credentials.env")
 #: Accepted spellings of HPC_SCHEDULER -> the backend's name.
+#: HPC_MIXED_PRECISION's values: the trainer's TrainSettings.mixed_precision (worker/trainer/settings.py).
+MIXED_PRECISION_CHOICES = ("off", "float16", "bfloat16")
 SCHEDULER_ALIASES = {"slurm": "slurm", "gridengine": "gridengine", "sge": "gridengine", "grid engine": "gridengine"}
 
 
@@ -67,6 +69,7 @@ class BridgeConfig:
     missing_timeout_s: float = 3600.0
     runs_dir: Path | None = None  # default SPOOL/runs
     save_optimizer: bool = False
+    mixed_precision: str = "off"  # the trainer's precision: off (float32, the seed's), float16 or bfloat16
     warn_seconds: int = 300  # warn a training job this long before its time limit (it checkpoints and continues)
     max_continuations: int = 5  # continuation jobs one request may use before it gets an error reply
     node_local_dir: Path | None = None  # checkpoint scratch on the compute node (default $SLURM_TMPDIR/$TMPDIR)
@@ -209,6 +212,7 @@ def load_config(credentials: Path | None = None, environ: Mapping[str, str] | No
         missing_timeout_s=get.number("HPC_MISSING_TIMEOUT", 3600.0),
         runs_dir=Path(get.text("HPC_RUNS_DIR", "")).expanduser() if get.text("HPC_RUNS_DIR", "") else None,
         save_optimizer=get.boolean("HPC_SAVE_OPTIMIZER", False),
+        mixed_precision=get.choice("HPC_MIXED_PRECISION", "off", MIXED_PRECISION_CHOICES),
         warn_seconds=get.integer("HPC_WARN_SECONDS", 300, minimum=0),
         max_continuations=get.integer("HPC_MAX_CONTINUATIONS", 5, minimum=0),
         node_local_dir=Path(node_local).expanduser() if node_local else None,
@@ -287,6 +291,12 @@ class _Getter:
         if value in {"0", "false", "no", "off"}:
             return False
         raise ConfigError(f"{name} must be true or false, got {value!r}")
+
+    def choice(self, name: str, default: str, choices: tuple[str, ...]) -> str:
+        value = self.text(name, default).lower()
+        if value not in choices:
+            raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+        return value
 
     def integer(self, name: str, default: int, *, minimum: int = 0) -> int:
         value = self.raw.get(name, "").strip()

@@ -216,6 +216,7 @@ class Intake:
             "spool": str(self.spool.root),
             "runs_dir": str(self.config.runs_dir or self.spool.root / "runs"),
             "save_optimizer": self.config.save_optimizer,
+            "mixed_precision": self.config.mixed_precision,
             "seed": self.config.training_seed,
             "max_reply_bytes": self.config.max_reply_bytes,
             # How the job continues itself after a time-limit warning (worker/continuation.py).

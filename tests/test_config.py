@@ -63,11 +63,19 @@ def test_missing_settings_are_named(missing: str) -> None:
         ("HPC_TRAINING_SEED", "-1"),
         ("HPC_WARN_SECONDS", "soon"),
         ("RABBITMQ_PORT", "amqp"),
+        ("HPC_MIXED_PRECISION", "auto"),
+        ("HPC_MIXED_PRECISION", "on"),
     ],
 )
 def test_malformed_settings_are_named(name: str, value: str) -> None:
     with pytest.raises(ConfigError, match=name):
         load_config(environ={**BASE, name: value})
+
+
+def test_mixed_precision_is_float32_unless_an_operator_opts_in() -> None:
+    assert load_config(environ=BASE).mixed_precision == "off"
+    for value in ("off", "float16", "bfloat16", "BFloat16"):
+        assert load_config(environ={**BASE, "HPC_MIXED_PRECISION": value}).mixed_precision == value.lower()
 
 
 def test_gpu_rules_pick_the_largest_threshold_below_the_memory() -> None:

@@ -387,7 +387,7 @@ def test_resume_under_mirrored_strategy_and_mixed_precision(tmp_path: Path) -> N
         patch_height=16,
         patch_width=16,
         strategy=("/cpu:0",),
-        mixed_precision="on",
+        mixed_precision="float16",
     )
     reference = RecordingStore(tmp_path / "reference")
     expected: list[dict[str, Any]] = []

@@ -25,6 +25,7 @@ pytest.importorskip("keras")  # the worker extra is not installed on login nodes
 import h5py
 import keras
 
+from bridge.config import MIXED_PRECISION_CHOICES as BRIDGE_PRECISIONS
 from tests.pages import striped_page
 from worker.trainer import TrainingInputError, TrainSettings, train_page
 from worker.trainer.dataset import PatchDataset
@@ -35,9 +36,11 @@ from worker.trainer.distribute import (
     make_strategy,
     plan_training,
     precision_policy,
+    replica_devices,
     strategy_name,
 )
 from worker.trainer.sampling import centre_ranges, selection_ratios
+from worker.trainer.settings import MIXED_PRECISION_CHOICES
 from worker.trainer.train import train_label
 
 pytestmark = pytest.mark.filterwarnings(  # TensorFlow's variables and NumPy 2, inside Keras
@@ -71,44 +74,54 @@ def run_child(code: str, *args: str, timeout: float = 240, **environ: str) -> di
 
 
 def test_settings_accept_strategies_and_precisions() -> None:
-    assert TrainSettings().strategy == "auto" and TrainSettings().mixed_precision == "auto"
+    assert TrainSettings().strategy == "auto" and TrainSettings().mixed_precision == "off"
     devices = TrainSettings(strategy=["/cpu:0"])  # type: ignore[arg-type]  # a list, as a test would pass it
     assert devices.strategy == ("/cpu:0",)
     hash(devices)  # still a frozen, hashable dataclass
     for value in ("auto", "mirrored", "default"):
         assert TrainSettings(strategy=value).strategy == value
-    for value in ("auto", "on", "off", "bfloat16"):
+    for value in ("off", "float16", "bfloat16"):
         assert TrainSettings(mixed_precision=value).mixed_precision == value
     with pytest.raises(TrainingInputError, match="strategy"):
         TrainSettings(strategy="horovod")
     with pytest.raises(TrainingInputError, match="devices"):
         TrainSettings(strategy=())
-    with pytest.raises(TrainingInputError, match="mixed_precision"):
-        TrainSettings(mixed_precision="float16")
+    for value in ("auto", "on", "mixed_float16"):  # float32 is the default; an opt-in names its type
+        with pytest.raises(TrainingInputError, match="mixed_precision"):
+            TrainSettings(mixed_precision=value)
+    # The bridge's HPC_MIXED_PRECISION passes exactly these values on.
+    assert BRIDGE_PRECISIONS == MIXED_PRECISION_CHOICES
 
 
 def test_strategy_and_precision_choice() -> None:
-    # "auto": MirroredStrategy only with more than one GPU; mixed precision only with a GPU.
-    assert strategy_name(make_strategy("auto", gpus=0)) == "default"
-    assert strategy_name(make_strategy("auto", gpus=1)) == "default"
-    assert strategy_name(make_strategy("default", gpus=4)) == "default"
-    # With 2 GPUs "auto" mirrors over all of them; here there are none, so it mirrors on the CPU.
-    assert strategy_name(make_strategy("auto", gpus=2)) == "MirroredStrategy"
-    assert strategy_name(make_strategy("mirrored", gpus=0)) == "MirroredStrategy"
-    forced = make_strategy(("/cpu:0",), gpus=0)
+    # Float32 everywhere unless asked, GPUs or not.
+    assert precision_policy("off") == "float32"
+    assert precision_policy("float16") == MIXED_POLICY == "mixed_float16"
+    assert precision_policy("bfloat16") == BFLOAT16_POLICY == "mixed_bfloat16"
+    # The replicas share the batch evenly: the most GPUs that divide it.
+    gpus = [f"/device:GPU:{i}" for i in range(4)]
+    assert replica_devices(gpus, 16) == gpus
+    assert replica_devices(gpus[:3], 16) == gpus[:2]  # 3 GPUs, a batch of 16: 2 of them
+    assert replica_devices(gpus[:3], 15) == gpus[:3]
+    assert replica_devices(gpus, 7) == gpus[:1] and replica_devices([], 16) == []
+    # "auto": MirroredStrategy only with more than one GPU sharing the batch.
+    assert strategy_name(make_strategy("auto", [], 16)) == "default"
+    assert strategy_name(make_strategy("auto", gpus[:1], 16)) == "default"
+    assert strategy_name(make_strategy("default", gpus, 16)) == "default"
+    assert strategy_name(make_strategy("mirrored", [], 16)) == "MirroredStrategy"  # one replica on the CPU
+    forced = make_strategy(("/cpu:0",), [], 16)
     assert strategy_name(forced) == "MirroredStrategy" and forced.num_replicas_in_sync == 1
-    assert precision_policy("auto", 0) == "float32"
-    assert precision_policy("auto", 1) == MIXED_POLICY == "mixed_float16"
-    assert precision_policy("on", 0) == MIXED_POLICY and precision_policy("off", 4) == "float32"
-    assert precision_policy("bfloat16", 0) == BFLOAT16_POLICY == "mixed_bfloat16"
+    with pytest.raises(TrainingInputError, match="cannot be shared evenly by the 3 devices"):
+        make_strategy(("/cpu:0", "/cpu:1", "/cpu:2"), [], 16)
     plan = plan_training(TrainSettings(batch_size=8))  # this machine: no GPU
     assert (strategy_name(plan.strategy), plan.replicas, plan.global_batch_size, plan.policy) == (
         "default", 1, 8, "float32",
     )  # fmt: skip
+    assert plan.per_replica_batch_size == 8
 
 
 def test_model_is_built_and_compiled_in_the_strategy_scope_under_the_policy() -> None:
-    plan = plan_training(dataclasses.replace(TINY, strategy=("/cpu:0",), mixed_precision="on"))
+    plan = plan_training(dataclasses.replace(TINY, strategy=("/cpu:0",), mixed_precision="float16"))
     before = keras.config.dtype_policy().name
     model = plan.build_model(PATCH, PATCH)
     assert keras.config.dtype_policy().name == before == "float32"  # restored after the build
@@ -144,7 +157,7 @@ def test_forced_mirrored_strategy_on_one_cpu_trains_and_saves(tmp_path: Path, ca
 
 
 MIRRORED_CHILD = """
-import json, math, sys
+import json, sys
 from pathlib import Path
 import tensorflow as tf
 (cpu,) = tf.config.list_physical_devices("CPU")
@@ -158,35 +171,57 @@ from worker.trainer.train import train_label
 ink = np.zeros((160, 160), bool); ink[::8] = True
 image = np.where(ink[..., None], 30, 230).astype(np.uint8).repeat(3, axis=2)
 page = Page(image, {"Layer": ink})
-settings = TrainSettings(epochs=2, patch_height=32, patch_width=32, batch_size=4, seed=1,
-                         strategy=("/cpu:0", "/cpu:1"), include_optimizer=True)
 centres = np.stack(np.meshgrid(np.arange(40, 120, 4), np.arange(40, 120, 8)), -1).reshape(-1, 2)[:52]
 
 class Count(keras.callbacks.Callback):
-    steps = 0
+    def __init__(self):
+        super().__init__()
+        self.steps = 0
     def on_train_batch_end(self, batch, logs=None):
-        Count.steps += 1
+        self.steps += 1
 
-plan = plan_training(settings)
-result = train_label(page, "Layer", centres, settings, shuffle_rng=np.random.default_rng(0), callbacks=[Count()])
-path = save_model(result, Path(sys.argv[1]), settings)
+def train(devices, batch):
+    settings = TrainSettings(epochs=2, patch_height=32, patch_width=32, batch_size=batch, seed=1,
+                             strategy=devices, include_optimizer=True)
+    count = Count()
+    result = train_label(page, "Layer", centres, settings, shuffle_rng=np.random.default_rng(0), init_seed=3,
+                         callbacks=[count])
+    return settings, result, count.steps, plan_training(settings)
+
+def diff(a, b):
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(a.weights, b.weights))
+
+_, one, one_steps, _ = train(("/cpu:0",), 8)
+settings, two, two_steps, plan = train(("/cpu:0", "/cpu:1"), 8)
+_, bigger, _, _ = train(("/cpu:0",), 16)
+path = save_model(two, Path(sys.argv[1]), settings)
 model = keras.models.load_model(path)
 y = model.predict(image[None, 40:72, 40:72, ::-1].astype("float32") / 255, verbose=0)
-print(json.dumps({"replicas": plan.replicas, "global_batch": plan.global_batch_size, "steps": Count.steps,
-                  "train": result.train_samples, "epochs": result.epochs_run, "dtype": str(y.dtype),
-                  "in_range": bool(((y >= 0) & (y <= 1)).all()), "best": result.best_epoch}))
+print(json.dumps({"replicas": plan.replicas, "global_batch": plan.global_batch_size,
+                  "per_replica": plan.per_replica_batch_size, "steps": [one_steps, two_steps],
+                  "train": two.train_samples, "epochs": two.epochs_run, "dtype": str(y.dtype),
+                  "in_range": bool(((y >= 0) & (y <= 1)).all()), "best": [one.best_epoch, two.best_epoch],
+                  "val_accuracy": [one.history["val_accuracy"], two.history["val_accuracy"]],
+                  "same_batch_diff": diff(one, two), "other_batch_diff": diff(one, bigger)}))
 """
 
 
 @pytest.mark.training
-def test_mirrored_strategy_on_two_cpu_replicas_uses_the_global_batch(tmp_path: Path) -> None:
-    # Two logical CPU devices stand in for two GPUs: 2 replicas of batch 4, a global batch of 8.
-    # 52 samples: 41 train, 5 x 8 + 1; the last batch is topped up to 2 (one patch each).
+def test_adding_replicas_does_not_change_what_is_trained(tmp_path: Path) -> None:
+    # Two logical CPU devices stand in for two GPUs. The request's batch of 8 is the global
+    # batch: on two replicas each computes 4 of it, and the weights come out as on one replica
+    # (to float rounding), unlike those of another batch size. 52 samples: 41 train (5 x 8 + 1:
+    # the last batch is topped up to 2 with a copy that weighs nothing), 11 validate (8 + 3, topped
+    # up to 4): the validation accuracy, which picks the best epoch, is exactly one replica's.
     result = run_child(MIRRORED_CHILD, str(tmp_path / "mirrored.hdf5"))
-    assert result["replicas"] == 2 and result["global_batch"] == 8
+    assert (result["replicas"], result["global_batch"], result["per_replica"]) == (2, 8, 4)
     assert result["train"] == 41 and result["epochs"] == 2
-    assert result["steps"] == 2 * math.ceil(41 / 8)  # 6 steps of up to 8 patches per epoch, not 11 of 4
-    assert result["dtype"] == "float32" and result["in_range"] and result["best"] >= 1
+    assert result["steps"] == [2 * math.ceil(41 / 8)] * 2  # 6 steps of up to 8 patches per epoch, either way
+    assert result["other_batch_diff"] > 1e-4  # the test can tell a different batch
+    assert result["same_batch_diff"] < 1e-6, result
+    one, two = result["val_accuracy"]
+    assert one == pytest.approx(two, abs=1e-6) and result["best"][0] == result["best"][1]
+    assert result["dtype"] == "float32" and result["in_range"] and result["best"][1] >= 1
 
 
 def test_every_batch_splits_evenly_among_the_replicas() -> None:
@@ -203,8 +238,14 @@ def test_every_batch_splits_evenly_among_the_replicas() -> None:
     assert sizes(43, 8, 4) == [8, 8, 8, 8, 8, 4]
     assert sizes(3, 8, 4) == [4]  # fewer patches than replicas
     centres = np.array([[60, 50], [60, 70], [60, 90]], dtype=np.int64)
-    x, _ = PatchDataset(page.image, mask, centres, PATCH, PATCH, 4, multiple_of=4)[0]
+    x, _, weights = PatchDataset(page.image, mask, centres, PATCH, PATCH, 4, multiple_of=4)[0]
     np.testing.assert_array_equal(x[3], x[0])  # topped up with its own patches
+    # The copy weighs nothing; the real patches 4/3 each in training data (their mean loss is the
+    # loss of the batch of 4), 1 in validation data (accuracy counts each once).
+    np.testing.assert_allclose(weights.ravel(), [4 / 3, 4 / 3, 4 / 3, 0])
+    _, _, weights = PatchDataset(page.image, mask, centres, PATCH, PATCH, 4, multiple_of=4, weigh_for="accuracy")[0]
+    np.testing.assert_array_equal(weights.ravel(), [1, 1, 1, 0])
+    assert len(PatchDataset(page.image, mask, centres, PATCH, PATCH, 4)[0]) == 2  # one replica: no weights
     with pytest.raises(ValueError, match="multiple"):
         PatchDataset(page.image, mask, centres, PATCH, PATCH, 6, multiple_of=4)
 
@@ -224,7 +265,7 @@ class PolicyProbe(keras.callbacks.Callback):  # type: ignore[misc]
 
 
 @pytest.mark.training
-@pytest.mark.parametrize("setting", ["on", "bfloat16"])
+@pytest.mark.parametrize("setting", ["float16", "bfloat16"])
 def test_mixed_precision_on_cpu_saves_a_float32_model(tmp_path: Path, setting: str) -> None:
     page = striped_page(160, 160)
     # 16x16 patches: float16 convolutions on a CPU are slow (see test_resume's mixed-precision test).
@@ -236,7 +277,7 @@ def test_mixed_precision_on_cpu_saves_a_float32_model(tmp_path: Path, setting: s
     result = train_label(
         page, "Layer 0", centres, settings, shuffle_rng=np.random.default_rng(0), callbacks=[PolicyProbe()]
     )
-    expected = {"on": ("mixed_float16", "LossScaleOptimizer"), "bfloat16": ("mixed_bfloat16", "Adam")}[setting]
+    expected = {"float16": ("mixed_float16", "LossScaleOptimizer"), "bfloat16": ("mixed_bfloat16", "Adam")}[setting]
     assert (PolicyProbe.seen["policy"], PolicyProbe.seen["optimizer"]) == expected
     assert PolicyProbe.seen["output"] == "float32"  # probabilities and loss in float32
     assert keras.config.dtype_policy().name == "float32"  # nothing leaks into later models
@@ -248,7 +289,10 @@ def test_mixed_precision_on_cpu_saves_a_float32_model(tmp_path: Path, setting: s
     with h5py.File(path, "r") as f:
         config = f.attrs["model_config"]
         assert "mixed" not in (config.decode() if isinstance(config, bytes) else config)  # a float32 model
-        assert len(f["optimizer_weights"].attrs["weight_names"]) == len(result.optimizer_variables or [])
+        layers = json.loads(config)["config"]["layers"]
+        assert {layer["config"]["dtype"] for layer in layers} == {"float32"}
+        # Keras 2's Adam: iterations and two moments per weight (no learning-rate variable, unlike Keras 3's).
+        assert len(f["optimizer_weights"].attrs["weight_names"]) == len(result.optimizer_variables or []) - 1
     # Rodan's side: a CPU-only machine loads it and predicts float32 probabilities.
     with dtype_policy("float32"):
         model = keras.models.load_model(path)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import time
 from pathlib import Path
 from typing import Any
 
+import h5py
 import pytest
 
 from bridge.logs import configure_logging
@@ -116,3 +118,58 @@ def test_already_replied_request_is_not_answered_again(tmp_path, broker_url, que
     code, logs = run(params)
     assert code == 0 and "already_replied" in logs
     assert rodan.drain() == []
+
+
+@pytest.mark.training
+def test_the_operators_precision_reaches_the_trainer_and_the_models_stay_float32(
+    tmp_path, make_config, broker_url, queues, standin, sample_inputs, rodan
+):
+    """HPC_MIXED_PRECISION goes from the bridge's settings into the job's parameters (intake) and
+    into the trainer (worker), which trains under it; the models come back float32 all the same."""
+    from bridge.intake import Intake, Message, Outcome
+    from bridge.ledger import Ledger
+    from bridge.rodan import RodanClient
+    from bridge.schedulers import get_scheduler
+    from tests.conftest import FAST_SETTINGS
+
+    config = make_config(HPC_MIXED_PRECISION="bfloat16")
+    spool = Spool(config.spool_dir).ensure()
+    scheduler = get_scheduler("slurm", timeout_s=5, options=config.scheduler_options)
+    submitted: list[dict[str, Any]] = []
+
+    def submit(*_args: object) -> str:  # the parameter file as the job would find it
+        submitted.append(json.loads(spool.params_path("corr-bf16").read_text()))
+        return "4242"
+
+    scheduler.submit = submit  # type: ignore[method-assign]
+    scheduler.find_by_name = lambda _name: []  # type: ignore[method-assign]
+    rodan_client = RodanClient(config.rodan_base_url, email=config.rodan_email, password=config.rodan_password)
+    intake = Intake(config, spool, Ledger(spool), scheduler, rodan_client, ReplyBox(spool))
+    rodan.publish(b"{}")  # Rodan's queues exist
+    rodan.drain(queues.request)
+    body = json.dumps({"inputs": sample_inputs("new", n_layers=1), "settings": FAST_SETTINGS}).encode()
+    message = Message(body=body, correlation_id="corr-bf16", reply_to=queues.reply, redelivered=False, delivery_tag=1)
+    assert intake.process(message).outcome is Outcome.SUBMITTED
+    (params,) = submitted
+    assert params["mixed_precision"] == "bfloat16"
+
+    # The job, in this process, on 16x16 patches (bfloat16 is slow on CPUs without it).
+    params["settings"].update(patch_height=16, patch_width=16, epochs=1)
+    params["runs_dir"] = str(tmp_path / "runs")
+    atomic_write_json(spool.params_path("corr-bf16"), params)
+    code, _logs = run(spool.params_path("corr-bf16"))
+    assert code == 0
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert json.loads((run_dir / "settings.json").read_text())["mixed_precision"] == "bfloat16"
+    ((corr, body, _headers),) = rodan.drain()
+    reply = json.loads(body)
+    assert corr == "corr-bf16" and sorted(reply) == ["Background Model", "Model 0"], reply.get("error")
+    for key, encoded in reply.items():
+        path = tmp_path / f"{key}.hdf5"
+        path.write_bytes(base64.decodebytes(encoded.encode("ascii")))
+        with h5py.File(path, "r") as f:
+            layers = json.loads(f.attrs["model_config"])["config"]["layers"]
+            assert {layer["config"]["dtype"] for layer in layers} == {"float32"}, key
+            weights: list[h5py.Dataset] = []
+            f["model_weights"].visititems(lambda _n, o: weights.append(o) if isinstance(o, h5py.Dataset) else None)
+            assert len(weights) == 2 * 14 and {str(w.dtype) for w in weights} == {"float32"}, key

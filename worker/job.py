@@ -60,6 +60,7 @@ class JobParameters:
     spool: Path
     runs_dir: Path
     save_optimizer: bool
+    mixed_precision: str  # the bridge's HPC_MIXED_PRECISION
     max_reply_bytes: int
     run_dir: Path | None  # set once a first job created it: a continuation resumes there
     seed: int | None  # the bridge's HPC_TRAINING_SEED; None: the trainer draws one (and checkpoints it)
@@ -83,6 +84,7 @@ class JobParameters:
             spool=Path(data["spool"]),
             runs_dir=Path(data.get("runs_dir") or Path(data["spool"]) / "runs"),
             save_optimizer=bool(data.get("save_optimizer", False)),
+            mixed_precision=str(data.get("mixed_precision", "off")),
             max_reply_bytes=int(data.get("max_reply_bytes", 128 * 1024 * 1024)),
             run_dir=Path(data["run_dir"]) if data.get("run_dir") else None,
             seed=int(data["seed"]) if data.get("seed") is not None else None,
@@ -151,6 +153,7 @@ def run_job(params_path: Path) -> int:
             outcome = train_or_stop(params, plan, workdir, run_dir, warning)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    done: dict[str, str] = {}  # what the success event says of the models
     if isinstance(outcome, Stopped):
         body = stopped(outcome, params, plan, params_path, raw, run_dir, warning)
         if body is None:
@@ -161,9 +164,13 @@ def run_job(params_path: Path) -> int:
         body = error_reply(f"the training job failed while {outcome.step}: {_describe(outcome.cause)}")
         ok = False
     else:
+        from worker.trainer.saving import MODEL_INPUT  # the trainer is imported: free
+
         body = success_reply(outcome)
         ok = True
-    log.info("job_trained", ok=ok, seconds=round(time.monotonic() - started, 1), reply_bytes=len(body))
+        done["models_accept"] = MODEL_INPUT
+        done["trained_on"] = f"{params.settings['patch_height']}x{params.settings['patch_width']} patches"
+    log.info("job_trained", ok=ok, seconds=round(time.monotonic() - started, 1), reply_bytes=len(body), **done)
     deliver(replies, params, body)
     finish(params_path, run_dir.path)
     return 0 if ok else 1
@@ -326,6 +333,7 @@ def train(
             batch_size=int(s.get("batch_size", 16)),
             patience=int(s.get("patience", 3)),
             include_optimizer=params.save_optimizer,
+            mixed_precision=params.mixed_precision,
             seed=params.seed,
         )
     except (ValueError, KeyError, TypeError) as exc:

@@ -8,6 +8,7 @@ where the original's float64 arrays for 10,000 samples per label took gigabytes.
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -19,6 +20,8 @@ from worker.trainer.sampling import Centres
 #: ``INPUT_LOOKUP[v] == float32((255 - v) / 255)`` computed in float64 as the original
 #: did: ink becomes high, paper low.
 INPUT_LOOKUP: npt.NDArray[np.float32] = ((255.0 - np.arange(256, dtype=np.float64)) / 255.0).astype(np.float32)
+#: ``(x, y)``, or ``(x, y, sample_weight)`` when several replicas share each batch.
+Batch = tuple[npt.NDArray[np.float32], ...]
 
 
 def split_validation(centres: Centres, validation_split: float) -> tuple[Centres, Centres]:
@@ -62,6 +65,12 @@ class PatchDataset(keras.utils.PyDataset):  # type: ignore[misc]
     some of its own patches (fewer than ``multiple_of`` per epoch), so that every replica
     gets an equal, non-empty share: with an empty share oneDNN's convolution fails, and
     uneven shares failed now and then in Keras' distributed step (TF 2.21, Keras 3.15).
+    Batches then carry sample weights ``(x, y, w)``, 0 for the copies. The real patches
+    weigh ``padded / real`` in training data (``weigh_for="loss"``), so that the loss (Keras
+    averages over all ``padded`` patches) and its gradient are those of the real patches
+    alone, as on one replica; they weigh 1 in validation data (``weigh_for="accuracy"``), so
+    that the weighted accuracy (see :func:`worker.trainer.model.compile_sae`), which picks the
+    best epoch and stops early, counts every validation patch once, as on one replica.
     """
 
     def __init__(
@@ -74,6 +83,7 @@ class PatchDataset(keras.utils.PyDataset):  # type: ignore[misc]
         batch_size: int,
         shuffle_rng: np.random.Generator | None = None,
         multiple_of: int = 1,
+        weigh_for: Literal["loss", "accuracy"] = "loss",
     ) -> None:
         super().__init__()
         self._images = sliding_window_view(image, (patch_height, patch_width, image.shape[2]))
@@ -85,6 +95,7 @@ class PatchDataset(keras.utils.PyDataset):  # type: ignore[misc]
         if multiple_of < 1 or batch_size % multiple_of:
             raise ValueError(f"the batch size {batch_size} is not a multiple of {multiple_of}")
         self._multiple_of = multiple_of
+        self._weigh_for = weigh_for
 
     @property
     def samples(self) -> int:
@@ -120,16 +131,22 @@ class PatchDataset(keras.utils.PyDataset):  # type: ignore[misc]
             raise ValueError(f"cannot continue an epoch of {self.samples} samples at {start} with order {order.shape}")
         return RemainingBatches(self, order[start:])
 
-    def batch(self, chosen: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
-        """The ``(x, y)`` batch of the samples ``chosen`` (indices into the centres)."""
-        if len(chosen) % self._multiple_of:  # the last batch: top it up with its own patches
-            chosen = np.resize(chosen, -(-len(chosen) // self._multiple_of) * self._multiple_of)
+    def batch(self, chosen: npt.NDArray[np.int64]) -> Batch:
+        """The ``(x, y)`` batch of the samples ``chosen`` (indices into the centres), with
+        sample weights ``(x, y, w)`` when the replicas are several (see the class docstring)."""
+        real = len(chosen)
+        if real % self._multiple_of:  # the last batch: top it up with its own patches
+            chosen = np.resize(chosen, -(-real // self._multiple_of) * self._multiple_of)
         rows, cols = self._corners[chosen, 0], self._corners[chosen, 1]
         x = network_input(self._images[rows, cols, 0])
         y = self._masks[rows, cols].astype(np.float32)[..., np.newaxis]
-        return x, y
+        if self._multiple_of == 1:
+            return x, y
+        weights = np.zeros((len(chosen), 1, 1), dtype=np.float32)  # broadcast over each patch's pixels
+        weights[:real] = len(chosen) / real if self._weigh_for == "loss" else 1.0
+        return x, y, weights
 
-    def __getitem__(self, index: int) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+    def __getitem__(self, index: int) -> Batch:
         if not 0 <= index < len(self):
             raise IndexError(index)
         return self.batch(self._order[index * self._batch_size : (index + 1) * self._batch_size])
@@ -157,7 +174,7 @@ class RemainingBatches(keras.utils.PyDataset):  # type: ignore[misc]
     def __len__(self) -> int:
         return math.ceil(len(self._order) / self._dataset.batch_size)
 
-    def __getitem__(self, index: int) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+    def __getitem__(self, index: int) -> Batch:
         if not 0 <= index < len(self):
             raise IndexError(index)
         size = self._dataset.batch_size

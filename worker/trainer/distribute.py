@@ -5,31 +5,38 @@ trains: with more than one, :func:`plan_training` picks ``tf.distribute.Mirrored
 (one replica per GPU, gradients all-reduced every step); with one GPU or none, TensorFlow's
 default strategy (the GPU if there is one, else the CPU). ``TrainSettings.strategy``
 overrides the choice: ``"mirrored"``, ``"default"``, or a tuple of device names for
-``MirroredStrategy(devices=...)`` (tests force ``("/cpu:0",)`` on a CPU-only machine).
+``MirroredStrategy(devices=...)`` (tests use logical CPU devices on a CPU-only machine).
 
-**Batch size.** ``TrainSettings.batch_size`` (Rodan's "Batch size", 16 by default) is the
-batch of *one replica*, as it was on the single GPU the original trained on. Each step
-therefore takes ``batch_size * replicas`` patches (the *global* batch), split evenly
-across the replicas, and an epoch has ``ceil(train samples / global batch)`` steps. The
-loss is averaged over the global batch, so the gradient is that of a ``batch_size *
-replicas`` batch: with 4 GPUs an epoch has a quarter of the steps of a 1-GPU epoch. The
-learning rate is not scaled. The last batch of an epoch is topped up to a multiple of the
-replicas with a few of its own patches, so that every replica gets an equal share (see
-:class:`worker.trainer.dataset.PatchDataset`).
+**Batch size: the global batch.** ``TrainSettings.batch_size`` (Rodan's "Batch size", 16 by
+default) is the number of patches of one training step, as on the single GPU the seed
+trained on; with ``n`` replicas each computes ``batch_size / n`` of them and the gradients
+are summed, the loss being each replica's mean divided by ``n``: the gradient of the
+whole batch's mean. An epoch has ``ceil(train samples / batch_size)`` steps whatever the
+GPUs, so adding GPUs does not change what is trained (only the order of floating-point
+additions). The replicas must share a batch evenly, so ``"auto"`` and ``"mirrored"`` use the
+most GPUs that divide the batch (3 GPUs and a batch of 16: 2 of them, said in the log); a
+tuple of devices that does not divide it is refused. The last batch of an epoch, when it
+is smaller, is topped up to a multiple of the replicas with copies of its own patches
+that weigh nothing, its real patches weighing ``padded / real`` each, so its loss,
+gradient and accuracy are those of its real patches (see
+:class:`worker.trainer.dataset.PatchDataset`). ``tests/test_trainer_scaling.py`` trains the
+same layer on one and on two replicas (logical CPUs) and gets the same weights.
 
-**Mixed precision.** With a GPU (``TrainSettings.mixed_precision == "auto"``) or with
-``"on"``, the model is built under Keras' ``mixed_float16`` policy: layers compute in
-float16 and keep float32 variables, the final sigmoid layer is float32 (so the
-probabilities and the binary cross-entropy are float32), and ``compile`` wraps Adam in a
-``LossScaleOptimizer`` (Keras 3 does so for a ``mixed_float16`` model). ``"auto"`` leaves
-the CPU in float32: float16 convolutions are slow there (``mixed_float16`` trained 6.5 times
-slower than float32 on the project's 2-core CPU; on a CPU with AVX512-FP16 and AMX, TensorFlow
-2.21 with its default oneDNN kernels, 26 times: 21 s instead of 0.8 s for 256 32x32 patches, and
-3 times with ``TF_ENABLE_ONEDNN_OPTS=0``, which also made float32 slower there). ``"bfloat16"`` (opt-in, never chosen by
-``"auto"``) builds under ``mixed_bfloat16`` instead, with no loss scaling: on that CPU (it
-has AVX-512 BF16) it trained 1.75 times faster than float32 at 64x64 and 256x256, and a
-4-layer 256x256 run peaked at 3.9 GB instead of 6.1 (``benchmarks/bench_throughput.py``,
-``bench_memory.py``); its effect on the trained models' accuracy has not been evaluated.
+**Precision: float32 unless asked.** The seed trained in float32, and the models Rodan
+gets must be trained as the seed trained them on every hardware. ``mixed_precision`` is
+therefore ``"off"`` by default, on GPUs too. Mixed precision is an opt-in
+(``HPC_MIXED_PRECISION`` on the bridge): ``"float16"`` builds the model under Keras'
+``mixed_float16`` policy (float16 computation, float32 variables, a float32 sigmoid layer
+so the probabilities and the loss stay float32, and a ``LossScaleOptimizer`` around
+Adam), ``"bfloat16"`` under ``mixed_bfloat16`` (no loss scaling). It becomes a default only
+once a GPU measurement (``benchmarks/bench_precision.py`` on the same page) shows it
+reaches the same validation accuracy as float32. On CPUs it is slow: ``mixed_float16``
+trained 6.5 times slower than float32 on the project's 2-core CPU, and on a CPU with
+AVX512-FP16 and AMX (TensorFlow 2.21, default oneDNN kernels) 26 times: 21 s instead of
+0.8 s for 256 32x32 patches (3 times with ``TF_ENABLE_ONEDNN_OPTS=0``, which also made
+float32 slower there). ``mixed_bfloat16`` trained 1.75 times faster than float32 on that
+CPU (it has AVX-512 BF16) at 64x64 and 256x256, and a 4-layer 256x256 run peaked at 3.9 GB
+instead of 6.1 (``benchmarks/bench_throughput.py``, ``bench_memory.py``).
 
 The saved ``.hdf5`` never carries the policy: :func:`worker.trainer.saving.save_model`
 writes the best weights (float32 variables) into a freshly built float32 model, which loads
@@ -46,12 +53,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from worker.trainer._tf import keras
+from worker.trainer.errors import TrainingInputError
 from worker.trainer.model import build_sae, compile_sae
 from worker.trainer.settings import MIXED_PRECISION_CHOICES, STRATEGY_CHOICES, TrainSettings
 
 log = logging.getLogger(__name__)
 
-#: The Keras dtype policy of a mixed-precision model ("auto" on a GPU, "on").
+#: The Keras dtype policy of ``mixed_precision="float16"``.
 MIXED_POLICY = "mixed_float16"
 #: The policy of ``mixed_precision="bfloat16"``.
 BFLOAT16_POLICY = "mixed_bfloat16"
@@ -67,6 +75,7 @@ __all__ = [
     "make_strategy",
     "plan_training",
     "precision_policy",
+    "replica_devices",
     "strategy_name",
     "trained_optimizer_variables",
 ]
@@ -83,31 +92,48 @@ def gpu_devices() -> list[str]:
     return [device.name for device in _tf().config.list_logical_devices("GPU")]
 
 
-def make_strategy(spec: str | Sequence[str], gpus: int) -> Any:
-    """The ``tf.distribute.Strategy`` for ``spec`` (see ``TrainSettings.strategy``).
+def replica_devices(gpus: Sequence[str], batch_size: int) -> list[str]:
+    """The first GPUs of ``gpus``, as many as possible while they share ``batch_size`` evenly."""
+    count = max((n for n in range(1, len(gpus) + 1) if batch_size % n == 0), default=0)
+    return list(gpus[:count])
 
-    ``"auto"`` is ``MirroredStrategy()`` over all GPUs when there are more than one, the
-    default strategy otherwise; ``"mirrored"`` is ``MirroredStrategy()`` whatever the GPUs
-    (on a CPU-only machine: one replica on the CPU); ``"default"`` the default strategy; a
-    sequence of device names ``MirroredStrategy(devices=list(spec))``.
+
+def make_strategy(spec: str | Sequence[str], gpus: Sequence[str], batch_size: int) -> Any:
+    """The ``tf.distribute.Strategy`` for ``spec`` (see ``TrainSettings.strategy``) and ``batch_size``.
+
+    ``gpus`` are the GPUs' device names. ``"auto"`` is a MirroredStrategy over the most GPUs
+    that share the batch evenly when that is more than one, the default strategy otherwise;
+    ``"mirrored"`` is a MirroredStrategy over those GPUs (on a machine without GPUs: one
+    replica on the CPU); ``"default"`` the default strategy; a sequence of device names
+    ``MirroredStrategy(devices=list(spec))``, which must divide the batch.
     """
     tf = _tf()
     if not isinstance(spec, str):
+        if batch_size % len(spec):
+            raise TrainingInputError(
+                f"a batch of {batch_size} patches cannot be shared evenly by the {len(spec)} devices {list(spec)}"
+            )
         return tf.distribute.MirroredStrategy(devices=list(spec))
-    if spec == "auto":
-        spec = "mirrored" if gpus > 1 else "default"
-    if spec == "mirrored":
-        return tf.distribute.MirroredStrategy()
     if spec == "default":
         return tf.distribute.get_strategy()
+    devices = replica_devices(gpus, batch_size)
+    if len(devices) < len(gpus):
+        log.warning(
+            "a batch of %d patches is shared evenly by %d of the %d GPUs: training on %s",
+            batch_size, len(devices), len(gpus), ", ".join(devices),
+        )  # fmt: skip
+    if spec == "auto":
+        return tf.distribute.MirroredStrategy(devices=devices) if len(devices) > 1 else tf.distribute.get_strategy()
+    if spec == "mirrored":
+        return tf.distribute.MirroredStrategy(devices=devices or None)
     raise ValueError(f"unknown strategy {spec!r}; expected one of {STRATEGY_CHOICES} or a list of devices")
 
 
 @functools.cache
-def _strategy(spec: str | tuple[str, ...]) -> Any:
-    # One per spec and process: a MirroredStrategy is reusable, and creating one per layer
-    # would only repeat its set-up (and its log lines).
-    return make_strategy(spec, len(gpu_devices()))
+def _strategy(spec: str | tuple[str, ...], batch_size: int) -> Any:
+    # One per spec, batch size and process: a MirroredStrategy is reusable, and creating one
+    # per layer would only repeat its set-up (and its log lines).
+    return make_strategy(spec, gpu_devices(), batch_size)
 
 
 def strategy_name(strategy: Any) -> str:
@@ -116,15 +142,9 @@ def strategy_name(strategy: Any) -> str:
     return "default" if name.startswith("_Default") else name
 
 
-def precision_policy(setting: str, gpus: int) -> str:
-    """The Keras dtype policy for ``TrainSettings.mixed_precision`` with ``gpus`` GPUs visible.
-
-    ``"auto"``: ``mixed_float16`` exactly when a GPU is visible, else ``float32``; ``"on"``
-    and ``"off"`` force ``mixed_float16`` and ``float32``; ``"bfloat16"`` is ``mixed_bfloat16``.
-    """
-    policies = {"on": MIXED_POLICY, "off": "float32", "bfloat16": BFLOAT16_POLICY}
-    if setting == "auto":
-        return MIXED_POLICY if gpus > 0 else "float32"
+def precision_policy(setting: str) -> str:
+    """The Keras dtype policy for ``TrainSettings.mixed_precision``: ``"off"`` is float32."""
+    policies = {"off": "float32", "float16": MIXED_POLICY, "bfloat16": BFLOAT16_POLICY}
     if setting in policies:
         return policies[setting]
     raise ValueError(f"unknown mixed_precision {setting!r}; expected one of {MIXED_PRECISION_CHOICES}")
@@ -151,7 +171,7 @@ class TrainingPlan:
 
     strategy: Any
     policy: str  # "float32", MIXED_POLICY or BFLOAT16_POLICY
-    per_replica_batch_size: int
+    global_batch_size: int  # the patches of one step (TrainSettings.batch_size), shared by the replicas
     gpus: int
 
     @property
@@ -159,9 +179,9 @@ class TrainingPlan:
         return int(self.strategy.num_replicas_in_sync)
 
     @property
-    def global_batch_size(self) -> int:
-        """The patches per step: the per-replica batch times the replicas."""
-        return self.per_replica_batch_size * self.replicas
+    def per_replica_batch_size(self) -> int:
+        """The patches each replica computes per step (the strategy divides the batch)."""
+        return self.global_batch_size // self.replicas
 
     @property
     def mixed_precision(self) -> bool:
@@ -186,18 +206,17 @@ class TrainingPlan:
         """
         with self.strategy.scope(), dtype_policy(self.policy):
             model = build_sae(height, width)
-            compile_sae(model)
+            compile_sae(model, weighted_accuracy=self.replicas > 1)  # padded batches (see the module docstring)
         return model
 
 
 def plan_training(settings: TrainSettings) -> TrainingPlan:
     """Choose the strategy and precision for ``settings`` on this machine, and log them."""
-    gpus = len(gpu_devices())
     plan = TrainingPlan(
-        strategy=_strategy(settings.strategy),
-        policy=precision_policy(settings.mixed_precision, gpus),
-        per_replica_batch_size=settings.batch_size,
-        gpus=gpus,
+        strategy=_strategy(settings.strategy, settings.batch_size),
+        policy=precision_policy(settings.mixed_precision),
+        global_batch_size=settings.batch_size,
+        gpus=len(gpu_devices()),
     )
     log.info("training with the %s", plan.describe())
     return plan

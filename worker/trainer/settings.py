@@ -12,7 +12,7 @@ PATCH_MULTIPLE = 4
 #: Values of ``TrainSettings.strategy`` besides a tuple of device names.
 STRATEGY_CHOICES = ("auto", "mirrored", "default")
 #: Values of ``TrainSettings.mixed_precision``.
-MIXED_PRECISION_CHOICES = ("auto", "on", "off", "bfloat16")
+MIXED_PRECISION_CHOICES = ("off", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -24,13 +24,15 @@ class TrainSettings:
     ``include_optimizer`` keeps the Adam state in the saved files (three times larger;
     Rodan only infers, so it is off by default).
 
-    ``batch_size`` is per replica: with ``n`` replicas (GPUs) a step takes ``n *
-    batch_size`` patches. ``strategy`` chooses the ``tf.distribute`` strategy: ``"auto"``
-    (MirroredStrategy over all GPUs when more than one is visible, else the default
-    strategy), ``"mirrored"``, ``"default"``, or a tuple of device names for
+    ``batch_size`` is the patches of one training step, however many replicas (GPUs)
+    share it: with ``n`` replicas each computes ``batch_size / n`` of them, so adding GPUs
+    does not change what is trained. ``strategy`` chooses the ``tf.distribute`` strategy:
+    ``"auto"`` (MirroredStrategy over the GPUs when more than one is visible, else the
+    default strategy), ``"mirrored"``, ``"default"``, or a tuple of device names for
     ``MirroredStrategy(devices=...)`` (a list is turned into a tuple). ``mixed_precision``
-    is ``"auto"`` (``mixed_float16`` when a GPU is visible, float32 on the CPU), ``"on"`` or
-    ``"off"``, or ``"bfloat16"`` (``mixed_bfloat16``, opt-in). See :mod:`worker.trainer.distribute`.
+    is ``"off"`` (float32, the seed's precision, on every device), or the opt-in
+    ``"float16"`` (``mixed_float16``) or ``"bfloat16"`` (``mixed_bfloat16``). See
+    :mod:`worker.trainer.distribute`.
     """
 
     epochs: int = 15
@@ -43,7 +45,7 @@ class TrainSettings:
     seed: int | None = None
     include_optimizer: bool = False
     strategy: str | tuple[str, ...] = "auto"
-    mixed_precision: str = "auto"
+    mixed_precision: str = "off"
 
     def __post_init__(self) -> None:
         if self.epochs < 1:

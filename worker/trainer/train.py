@@ -352,9 +352,9 @@ def train_label(
     """Train a fresh SAE on ``label``'s samples and return its best epoch.
 
     The first ``1 - validation_split`` of ``centres`` train (in a new order every epoch,
-    drawn from ``shuffle_rng``), the rest validate, ``settings.batch_size`` patches per
-    replica and step (see :mod:`worker.trainer.distribute` for the strategy and the
-    precision); at most ``settings.epochs`` epochs with early stopping on val_accuracy.
+    drawn from ``shuffle_rng``), the rest validate, ``settings.batch_size`` patches per step
+    however many replicas share it (see :mod:`worker.trainer.distribute` for the strategy
+    and the precision); at most ``settings.epochs`` epochs with early stopping on val_accuracy.
     ``init_seed`` seeds Keras (weight initialisation); ``callbacks`` are extra Keras
     callbacks, run after the trainer's own (their ``on_train_end`` is also called when
     training is interrupted, so that TensorBoard writes out what it has).
@@ -370,7 +370,7 @@ def train_label(
     ph, pw = settings.patch_height, settings.patch_width
     if init_seed is not None:
         keras.utils.set_random_seed(init_seed)
-    plan = plan_training(settings)  # every GPU; batch_size per replica, plan.global_batch_size per step
+    plan = plan_training(settings)  # the GPUs that share settings.batch_size evenly
     model = plan.build_model(ph, pw)  # created and compiled inside plan.strategy.scope()
     mask = np.asarray(page.masks[label], dtype=bool)
     batch = plan.global_batch_size
@@ -378,7 +378,9 @@ def train_label(
     train_data = PatchDataset(
         page.image, mask, train_centres, ph, pw, batch, shuffle_rng=shuffle_rng, multiple_of=replicas
     )
-    validation_data = PatchDataset(page.image, mask, validation_centres, ph, pw, batch, multiple_of=replicas)
+    validation_data = PatchDataset(
+        page.image, mask, validation_centres, ph, pw, batch, multiple_of=replicas, weigh_for="accuracy"
+    )
     best = BestEpoch(keep_optimizer=settings.include_optimizer)
     stopper = EarlyStopper(settings.patience)
     history: dict[str, list[float]] = {}
