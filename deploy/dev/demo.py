@@ -5,7 +5,9 @@
    waits for the reply like Rodan (nacking replies that are not its own).
 3. ``hpc-bridge check`` runs every few seconds, as cron would: it submits the job to the real
    local Slurm, and the worker in the job downloads, trains one model per layer and replies.
-4. The models that came back are listed and loaded with Keras.
+4. The models that came back are opened as Rodan opens them, in each consumer environment
+   (Rodan's TensorFlow 2.5.1 on Python 3.7, 2.15.1 on Python 3.11, the worker's Keras 3; see
+   consumers/): load, predict, one fit step, compared with the trained weights.
 
 Uses its own queue names and a private spool under ./var/demo, so it never touches a real deployment.
 """
@@ -140,15 +142,21 @@ def main() -> int:
         say(f"bridge log: {run_dir / 'bridge.log'}; job logs: {spool / 'jobs'}")
         return 1
     say(f"reply received after {took:.0f} s and {passes} bridge passes; models written to {out}")
+    say("opening every model as Rodan does, in each consumer's TensorFlow (consumers/)")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    import keras
+    from bridge.logs import configure_logging
+    from consumers.verify import page_image, print_table, verify
 
-    print(f"\n{'reply key':<22}{'file bytes':>12}  keras")
-    for key, info in sorted(result["files"].items()):
-        model = keras.models.load_model(info["path"], compile=False)
-        print(f"{key:<22}{info['bytes']:>12}  loads: {model.count_params():,} parameters, output {model.output_shape}")
+    configure_logging(level="WARNING", component="demo")  # the consumer runs' command lines stay out
+
+    files = dict(sorted(result["files"].items()))
+    page = uploads / inputs["Image"].removeprefix("/uploads/")
+    patch = (int(SETTINGS["Patch height"]), int(SETTINGS["Patch width"]))
+    verdicts = verify({key: Path(info["path"]) for key, info in files.items()}, page_image(page), patch)
+    print()
+    print_table(verdicts, sys.stdout, sizes={key: int(info["bytes"]) for key, info in files.items()})
     print(f"\nrun directory: {run_dir}")
-    return 0
+    return 0 if all(v.acceptable for v in verdicts) else 1
 
 
 def _watcher(spool: Path) -> RequestWatcher | None:

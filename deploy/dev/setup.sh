@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything the demo and the tests need on a fresh Debian 12 machine (root), idempotently:
 #   - a virtualenv in .venv with the project, the worker extra (TensorFlow CPU) and dev tools;
+#   - the consumer environments (Rodan's TensorFlow versions, consumers/), built once and cached;
 #   - RabbitMQ answering on 127.0.0.1:5672 (started, or installed then started, unless RABBITMQ_URL is set);
 #   - the single-node Slurm cluster (deploy/dev/slurm.sh up) and Grid Engine (deploy/dev/gridengine.sh up).
 # Second run: a few seconds (nothing is reinstalled unless pyproject.toml changed).
@@ -30,6 +31,12 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
 else
     say ".venv is up to date"
 fi
+
+# --- Consumer environments: the TensorFlow versions Rodan opens our models with --------
+# (consumers/: Python 3.7 + TensorFlow 2.5.1, Python 3.11 + TensorFlow 2.15.1), built once under
+# HPC_CONSUMERS_DIR (default ~/.cache/hpc-bridge/consumers) and reused while their requirements
+# stay the same; a missing Python version stops set-up here, saying how to install it.
+.venv/bin/python -m consumers build 2>&1 | sed 's/^/[setup] /'
 
 # --- RabbitMQ ------------------------------------------------------------------------
 broker_up() { (exec 3<>/dev/tcp/127.0.0.1/5672) 2>/dev/null; }
