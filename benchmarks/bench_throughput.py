@@ -111,7 +111,7 @@ def main() -> int:
     parser.add_argument("--patch", type=int, nargs="+", default=[64, 256], help="patch sides (square patches)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per patch size")
     parser.add_argument("--warmup", type=int, default=2, help="untimed first steps (the first one traces)")
-    parser.add_argument("--batch", type=int, default=16, help="batch size per replica")
+    parser.add_argument("--batch", type=int, default=16, help="the batch of one step, shared by the replicas")
     parser.add_argument("--strategy", default="auto", help='"auto", "mirrored", "default" or devices "/cpu:0,..."')
     parser.add_argument("--mixed-precision", default="off", choices=["off", "float16", "bfloat16"])
     args = parser.parse_args()

@@ -353,7 +353,12 @@ def test_enqueue_waits_for_the_daemon_and_a_real_training(harness, sample_inputs
 
     for name in ("Background_Model.hdf5", "Model_0.hdf5"):
         model = keras.models.load_model(tmp_path / "models" / name, compile=False)
-        assert model.output_shape == (None, 64, 64, 1)
+        # One probability per pixel, for windows of the training size and of any other multiple of 4.
+        assert model.output_shape == (None, None, None, 1)
+        for height, width in ((64, 64), (96, 128)):
+            probabilities = model.predict(np.zeros((1, height, width, 3), "float32"), verbose=0)
+            assert probabilities.shape == (1, height, width, 1)
+            assert 0.0 <= probabilities.min() and probabilities.max() <= 1.0
     record = harness.ledger(out["correlation_id"])
     assert record["state"] == "replied" and record["outcome"] == "ok" and record["scheduler"] == harness.cluster.name
     # accounted once the job has ended, just after the worker's reply

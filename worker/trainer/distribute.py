@@ -28,9 +28,11 @@ therefore ``"off"`` by default, on GPUs too. Mixed precision is an opt-in
 (``HPC_MIXED_PRECISION`` on the bridge): ``"float16"`` builds the model under Keras'
 ``mixed_float16`` policy (float16 computation, float32 variables, a float32 sigmoid layer
 so the probabilities and the loss stay float32, and a ``LossScaleOptimizer`` around
-Adam), ``"bfloat16"`` under ``mixed_bfloat16`` (no loss scaling). It becomes a default only
-once a GPU measurement (``benchmarks/bench_precision.py`` on the same page) shows it
-reaches the same validation accuracy as float32. On CPUs it is slow: ``mixed_float16``
+Adam), ``"bfloat16"`` under ``mixed_bfloat16`` (no loss scaling). Measured on an H100
+(``benchmarks/bench_precision.py``, Keras 3 on JAX, a page made from the real Einsiedeln
+masks), both reach float32's validation accuracy (within 0.0001, inside float32's own
+seed-to-seed spread of 0.0003-0.0006) but train no faster at batch 16, where the host side
+of a step limits it, not the GPU: so float32 stays the default. On CPUs float16 is slow: ``mixed_float16``
 trained 6.5 times slower than float32 on the project's 2-core CPU, and on a CPU with
 AVX512-FP16 and AMX (TensorFlow 2.21, default oneDNN kernels) 26 times: 21 s instead of
 0.8 s for 256 32x32 patches (3 times with ``TF_ENABLE_ONEDNN_OPTS=0``, which also made

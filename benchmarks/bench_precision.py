@@ -1,0 +1,177 @@
+"""Does mixed precision train models as accurate as float32? Validation accuracy per layer and policy.
+
+The question behind ``HPC_MIXED_PRECISION`` (default off: float32, the seed's precision). For
+each layer of one real page (a crop of the Einsiedeln masks, with a page image synthesized from
+them: ``bridge.standin.samples.synthesize_page_from_masks``) and each dtype policy, the layer is
+trained from the same initial weights on the same sampled patches in the same order, with the
+trainer's own pieces: ``build_sae``/``compile_sae`` (Adam 1e-4, binary cross-entropy),
+``sample_centres``, ``split_validation`` and ``PatchDataset`` (the last fifth validates), a fixed
+number of epochs and no early stopping. ``float32 (seed 2)`` trains float32 again from other
+initial weights and shuffles: the spread of float32 against itself, the yardstick for "the same
+accuracy".
+
+It uses Keras alone (no ``tf.distribute``), so it runs on any Keras backend: TensorFlow here, JAX
+on a GPU machine that has no TensorFlow (``KERAS_BACKEND=jax``). The page's masks come from
+``HPC_EINSIEDELN_DIR`` (default ``../shared/data/einsiedeln-32r-263v`` beside the checkout).
+
+    .venv/bin/python benchmarks/bench_precision.py --patch 32 --samples 200 --epochs 2   # a smoke run, CPU
+    KERAS_BACKEND=jax python benchmarks/bench_precision.py                                # on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+
+from benchmarks.tables import print_table  # noqa: E402
+from bridge.standin.samples import EINSIEDELN_DIR, synthesize_page_from_masks  # noqa: E402
+from worker.trainer import load_page  # noqa: E402
+from worker.trainer._tf import keras  # noqa: E402
+from worker.trainer.callbacks import EpochShuffle  # noqa: E402
+from worker.trainer.dataset import PatchDataset, split_validation  # noqa: E402
+from worker.trainer.distribute import dtype_policy  # noqa: E402
+from worker.trainer.model import build_sae, compile_sae  # noqa: E402
+from worker.trainer.sampling import sample_centres  # noqa: E402
+
+#: (label shown, Keras dtype policy, seed offset): float32 twice, to see its own spread.
+RUNS = {
+    "float32": ("float32", 0),
+    "float32 (seed 2)": ("float32", 1),
+    "float16": ("mixed_float16", 0),
+    "bfloat16": ("mixed_bfloat16", 0),
+}
+#: The old generation's inputs of synthesize_page_from_masks, by the mask they come from.
+LAYERS = {"Background": "Background", "Neumes": "Music Layer", "StaffLines": "Staff Layer"}
+
+
+class EpochTimes(keras.callbacks.Callback):  # type: ignore[misc]
+    def __init__(self) -> None:
+        super().__init__()
+        self.seconds: list[float] = []
+        self._start = 0.0
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self._start = time.perf_counter()
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self.seconds.append(time.perf_counter() - self._start)
+
+
+def load_real_page(crop: tuple[int, int, int, int], work: Path) -> Any:
+    inputs = synthesize_page_from_masks(EINSIEDELN_DIR, work, crop, generation="old", seed=0, text_layer="empty")
+
+    def file(name: str) -> Path:
+        return work / inputs[name].removeprefix("/uploads/")
+
+    layers = {label: file(name) for label, name in LAYERS.items()}
+    return load_page(file("Image"), layers, file("Selected Regions"))
+
+
+def train(page: Any, label: str, centres: Any, policy: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    keras.utils.set_random_seed(seed)
+    train_centres, validation_centres = split_validation(centres, 0.2)
+    mask = page.masks[label]
+    rng = np.random.default_rng(seed)
+    data = PatchDataset(page.image, mask, train_centres, args.patch, args.patch, args.batch, shuffle_rng=rng)
+    validation = PatchDataset(page.image, mask, validation_centres, args.patch, args.patch, args.batch)
+    with dtype_policy(policy):
+        model = build_sae(args.patch, args.patch)
+        compile_sae(model)
+    times = EpochTimes()
+    history = model.fit(
+        data,
+        validation_data=validation,
+        epochs=args.epochs,
+        shuffle=False,
+        callbacks=[EpochShuffle(data.shuffle), times],
+        verbose=0,
+    ).history
+    val = [float(v) for v in history["val_accuracy"]]
+    keras.backend.clear_session()
+    return {
+        "val_accuracy": val,
+        "best": max(val),
+        "best_epoch": int(np.argmax(val)) + 1,
+        "final_loss": float(history["loss"][-1]),
+        "seconds_per_epoch": float(np.median(times.seconds[1:] or times.seconds)),
+        "first_epoch_s": times.seconds[0],
+        "train": len(train_centres),
+        "validation": len(validation_centres),
+        "not_layer_share": float(1.0 - mask.mean()),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--patch", type=int, default=128, help="square patch side (a multiple of 4)")
+    parser.add_argument("--samples", type=int, default=1500, help="maximum samples per label")
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--layers", nargs="+", default=["Neumes", "StaffLines"], choices=list(LAYERS))
+    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    parser.add_argument("--crop", type=int, nargs=4, default=[0, 1024, 2048, 3072], metavar=("L", "T", "R", "B"))
+    parser.add_argument("--json", type=Path, help="also write every run's numbers here")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="bench-precision-") as scratch:
+        page = load_real_page(tuple(args.crop), Path(scratch))  # type: ignore[arg-type]
+    centres = sample_centres(page.masks, args.patch, args.patch, args.samples, np.random.default_rng(0))
+    print(
+        f"Keras {keras.__version__} on {keras.backend.backend()} ({device()}); page {page.image.shape[1]}x"
+        f"{page.image.shape[0]} from the Einsiedeln masks; {args.patch}x{args.patch} patches, batch {args.batch}, "
+        f"{args.epochs} epochs, at most {args.samples} samples per label",
+        flush=True,
+    )
+    results: dict[str, dict[str, Any]] = {}
+    for label in args.layers:
+        for run in args.runs:
+            policy, offset = RUNS[run]
+            results[f"{label}/{run}"] = train(page, label, centres[label], policy, 7 + offset, args)
+            print(f"{label} {run}: {json.dumps(results[f'{label}/{run}'])}", flush=True)
+    rows = []
+    for label in args.layers:
+        reference = results.get(f"{label}/float32")
+        for run in args.runs:
+            r = results[f"{label}/{run}"]
+            delta = "" if reference is None or run == "float32" else f"{r['best'] - reference['best']:+.4f}"
+            rows.append([
+                label, run, f"{r['best']:.4f} (epoch {r['best_epoch']})", delta, f"{r['val_accuracy'][-1]:.4f}",
+                f"{r['not_layer_share']:.4f}", f"{r['seconds_per_epoch']:.2f}", f"{r['first_epoch_s']:.1f}",
+            ])  # fmt: skip
+    print()
+    print_table(
+        ["layer", "precision", "best val_accuracy", "vs float32", "last", "not-layer share", "s/epoch", "1st epoch s"],
+        rows,
+    )
+    if args.json:
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results}, indent=1))
+    return 0
+
+
+def device() -> str:
+    """Where Keras computes: the JAX platform or TensorFlow's first GPU, else the CPU."""
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return str(jax.devices()[0].device_kind)
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        return "GPU" if tf.config.list_physical_devices("GPU") else f"CPU ({os.cpu_count()} cores)"
+    return "?"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
