@@ -34,7 +34,9 @@ pytestmark = [
 ]
 
 OLD_KEYS = ["Background Model", "Music Symbol Model", "Staff Lines Model", "Text Model"]
-NEW_KEYS = ["Background Model", "Model 0", "Model 1"]
+NEW_KEYS = ["Background Model", "Model 0"]
+#: A training of seconds per layer: what a file holds does not depend on how long it trained.
+SETTINGS = {**FAST_SETTINGS, "Maximum number of training epochs": 1}
 
 
 def versions(verdicts: list[Verdict]) -> dict[str, dict[str, str]]:
@@ -49,13 +51,13 @@ def test_every_model_of_a_real_training_loads_predicts_and_trains_in_rodans_tens
     spool = tmp_path / "spool"
     env = bridge_environ(broker_url, standin, queues, spool, HPC_LOG_FILE=str(tmp_path / "bridge.log"))
     old_inputs = sample_inputs("old", height=320, width=384, seed=11)
-    new_inputs = sample_inputs("new", n_layers=2, height=320, width=384, seed=12)
+    new_inputs = sample_inputs("new", n_layers=1, height=320, width=384, seed=12)
     try:
         # The older generation as configured by default; the newer with Adam's state in the files
         # (the bridge writes HPC_SAVE_OPTIMIZER into the job's parameters when it submits).
-        old = rodan.publish_request(old_inputs, FAST_SETTINGS)
+        old = rodan.publish_request(old_inputs, SETTINGS)
         assert run_bridge(env, "check").returncode == 0
-        new = rodan.publish_request(new_inputs, FAST_SETTINGS)
+        new = rodan.publish_request(new_inputs, SETTINGS)
         assert run_bridge({**env, "HPC_SAVE_OPTIMIZER": "true"}, "check").returncode == 0
         replies: dict[str, bytes] = {}
         deadline = time.monotonic() + 600
