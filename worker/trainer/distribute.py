@@ -17,10 +17,14 @@ additions). The replicas must share a batch evenly, so ``"auto"`` and ``"mirrore
 most GPUs that divide the batch (3 GPUs and a batch of 16: 2 of them, said in the log); a
 tuple of devices that does not divide it is refused. The last batch of an epoch, when it
 is smaller, is topped up to a multiple of the replicas with copies of its own patches
-that weigh nothing, its real patches weighing ``padded / real`` each, so its loss,
-gradient and accuracy are those of its real patches (see
-:class:`worker.trainer.dataset.PatchDataset`). ``tests/test_trainer_scaling.py`` trains the
-same layer on one and on two replicas (logical CPUs) and gets the same weights.
+that weigh nothing, its real patches weighing ``padded / real`` each, so its loss and
+gradient are those of its real patches; in validation batches each real patch weighs 1 and
+accuracy is weighted, so ``val_accuracy``, which picks the best epoch and stops early,
+counts every validation patch once (see :class:`worker.trainer.dataset.PatchDataset`).
+``tests/test_trainer_scaling.py`` trains the same layer on one and on two replicas (logical
+CPUs) and gets the same weights and the same ``val_accuracy``. Only the reported epoch
+averages of the training loss and accuracy and of ``val_loss`` count the copies (at most
+``replicas - 1`` patches per epoch), so with several GPUs they can differ in the last digits.
 
 **Precision: float32 unless asked.** The seed trained in float32, and the models Rodan
 gets must be trained as the seed trained them on every hardware. ``mixed_precision`` is
@@ -32,8 +36,8 @@ Adam), ``"bfloat16"`` under ``mixed_bfloat16`` (no loss scaling). Measured on an
 (``benchmarks/bench_precision.py``, Keras 3 on JAX, a page made from the real Einsiedeln
 masks), both reach float32's validation accuracy (within 0.0001, inside float32's own
 seed-to-seed spread of 0.0003-0.0006) but train no faster at batch 16, where the host side
-of a step limits it, not the GPU: so float32 stays the default. On CPUs float16 is slow: ``mixed_float16``
-trained 6.5 times slower than float32 on the project's 2-core CPU, and on a CPU with
+of a step limits it, not the GPU: so float32 stays the default. On CPUs float16 is slow:
+``mixed_float16`` trained 6.5 times slower than float32 on the project's 2-core CPU, and on a CPU with
 AVX512-FP16 and AMX (TensorFlow 2.21, default oneDNN kernels) 26 times: 21 s instead of
 0.8 s for 256 32x32 patches (3 times with ``TF_ENABLE_ONEDNN_OPTS=0``, which also made
 float32 slower there). ``mixed_bfloat16`` trained 1.75 times faster than float32 on that

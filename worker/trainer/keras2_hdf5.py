@@ -82,8 +82,8 @@ INITIALIZER_KEYS: dict[str, tuple[str, ...]] = {
 KERAS3_ONLY: dict[str, Any] = {"optional": False, "input_axes": None, "output_axes": None}
 #: Keras 3 keys renamed in Keras 2.
 _RENAMED = {"batch_shape": "batch_input_shape"}
-#: Per optimizer class: its Keras 2 (legacy) config keys, and the Keras 3 keys that must
-#: hold these values (features Keras 2's legacy Adam does not have).
+#: Adam's Keras 2 (legacy) config keys; then the Keras 3 keys that must hold these values
+#: (features Keras 2's legacy Adam does not have).
 ADAM_KEYS = ("learning_rate", "beta_1", "beta_2", "epsilon", "amsgrad")
 ADAM_UNUSED: dict[str, Any] = {
     "weight_decay": None,
@@ -154,9 +154,8 @@ def _layer_config(class_name: str, config: dict[str, Any], where: str) -> dict[s
     for key in ("kernel_initializer", "bias_initializer"):
         if key in out:
             out[key] = _initializer(out[key], f"{where}.{key}")
-    for key in ("activation",):
-        if key in out and not isinstance(out[key], str):
-            raise _fail(where, f"activation {out[key]!r} (only built-in activations by name)")
+    if "activation" in out and not isinstance(out["activation"], str):
+        raise _fail(where, f"activation {out['activation']!r} (only built-in activations by name)")
     return out
 
 
@@ -236,9 +235,10 @@ def _adam_config(optimizer: Any) -> dict[str, Any]:
     if type(optimizer).__name__ != "Adam":
         raise _fail("optimizer", f"{type(optimizer).__name__} (this writer knows Adam)")
     config = dict(optimizer.get_config())
-    for key, value in ADAM_UNUSED.items():
-        if config.pop(key, value) != value:
-            raise _fail("optimizer", f"Adam {key} = {config.get(key)!r}")
+    for key, unused in ADAM_UNUSED.items():
+        value = config.pop(key, unused)
+        if value != unused:
+            raise _fail("optimizer", f"Adam {key} = {value!r}")
     for key in _ADAM_IGNORED:
         config.pop(key, None)
     adam = _translate(config, ADAM_KEYS, "optimizer Adam")
