@@ -1,6 +1,6 @@
 """Does mixed precision train models as accurate as float32? Validation accuracy per layer and policy.
 
-The question behind ``HPC_MIXED_PRECISION`` (default off: float32, the seed's precision). For
+The question behind ``HPC_MIXED_PRECISION`` (default off: float32, the original trainer's precision). For
 each layer of one real page (a crop of the Einsiedeln masks, with a page image synthesized from
 them: ``bridge.standin.samples.synthesize_page_from_masks``) and each dtype policy, the layer is
 trained from the same initial weights on the same sampled patches in the same order, with the

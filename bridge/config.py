@@ -69,7 +69,7 @@ class BridgeConfig:
     missing_timeout_s: float = 3600.0
     runs_dir: Path | None = None  # default SPOOL/runs
     save_optimizer: bool = False
-    mixed_precision: str = "off"  # the trainer's precision: off (float32, the seed's), float16 or bfloat16
+    mixed_precision: str = "off"  # the trainer's precision: off (float32, the original trainer's), float16 or bfloat16
     warn_seconds: int = 300  # warn a training job this long before its time limit (it checkpoints and continues)
     max_continuations: int = 5  # continuation jobs one request may use before it gets an error reply
     node_local_dir: Path | None = None  # checkpoint scratch on the compute node (default $SLURM_TMPDIR/$TMPDIR)

@@ -9,7 +9,7 @@ For every model file and consumer (see :mod:`consumers`):
   by position, so a layer order mixed up in the file shows here). Within
   :data:`PREDICTION_TOLERANCE`;
 - **fit**: one step of ``fit`` on one batch, compared with the same step taken here with
-  the seed's loss, metric and optimizer (binary cross-entropy, accuracy, Adam(1e-4)), from
+  the original trainer's loss, metric and optimizer (binary cross-entropy, accuracy, Adam(1e-4)), from
   the file's Adam state when it holds one, else a fresh Adam. The step (the change of every
   weight) must lie within :data:`STEP_TOLERANCE` of ours, relative to its length, and (for
   a file with Adam's state) :data:`STATE_MARGIN` times further from a fresh-Adam step, so a
@@ -241,7 +241,8 @@ def judge(name: str, consumer: Consumer, result: Mapping[str, Any], ref: Mapping
         if "accuracy" not in result["fit"]:
             problems.append(f"fit reported {sorted(result['fit'])}, no accuracy")
         if verdict.step_error > STEP_TOLERANCE:
-            problems.append(f"one fit step is {verdict.step_error:.1%} off the seed's (> {STEP_TOLERANCE:.0%})")
+            off = f"{verdict.step_error:.1%}"
+            problems.append(f"one fit step is {off} off the original trainer's (> {STEP_TOLERANCE:.0%})")
         elif verdict.optimizer_state and verdict.fresh_step_error < STATE_MARGIN * max(verdict.step_error, 1e-9):
             problems.append("the fit step is no closer to the saved Adam state than to a fresh Adam")
     verdict.error = "; ".join(problems) or None
@@ -296,7 +297,7 @@ def print_table(verdicts: Sequence[Verdict], out: IO[str], sizes: Mapping[str, i
         out.write(
             f"ok: tensorflow.keras.models.load_model(path) as Rodan calls it; predict within {PREDICTION_TOLERANCE:g} "
             f"of the weights (largest difference {worst_p:.1e}) at the patch size and larger; one fit step with the "
-            f"seed's loss, metric and Adam within {STEP_TOLERANCE:.0%} of ours (largest {worst_s:.2%})\n"
+            f"original trainer's loss, metric and Adam within {STEP_TOLERANCE:.0%} of ours (largest {worst_s:.2%})\n"
         )
     if any(v.known_defect for v in verdicts):
         out.write(

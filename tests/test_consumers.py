@@ -6,7 +6,7 @@ The models come from a real training through the whole path (a request published
 of each generation, one of them with ``HPC_SAVE_OPTIMIZER``. Each consumer runs as a subprocess:
 ``tensorflow.keras.models.load_model(path)`` as Rodan calls it, ``predict`` on windows of the page
 at the training size and at a larger one, one ``fit`` step (consumers/verify.py compares both
-with what the file's weights give in Keras 3, and with the seed's loss, metric and optimizer).
+with what the file's weights give in Keras 3, and with the original trainer's loss, metric and optimizer).
 A consumer that is not built fails the test (never a skip): set-up builds them.
 """
 
@@ -108,7 +108,7 @@ def test_every_model_of_a_real_training_loads_predicts_and_trains_in_rodans_tens
             # known failure, reported as such (see worker/trainer/saving.py).
             assert verdict.known_defect and not verdict.ok, f"{where}: {verdict.error}"
             continue
-        # One fit step with the seed's loss, metric and Adam: the same step as ours, from the file's
+        # One fit step with the original trainer's loss, metric and Adam: the same step as ours, from the file's
         # Adam state where it holds one (and clearly not from a fresh Adam).
         assert verdict.ok, f"{where}: {verdict.error}\n{table}"
         assert verdict.step_error is not None and verdict.step_error <= STEP_TOLERANCE

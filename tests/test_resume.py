@@ -379,7 +379,7 @@ def test_resume_under_mirrored_strategy_and_mixed_precision(tmp_path: Path) -> N
     page = striped_page()
     page = Page(page.image, {"Layer 0": page.masks["Layer 0"]})
     # 16x16 patches: float16 convolutions on a CPU are slow, and with oneDNN on a CPU that has
-    # AVX512-FP16 (TensorFlow 2.21) very slow, ~1.3 s per batch of 16 at 32x32 (docs in distribute.py).
+    # AVX512-FP16 (TensorFlow 2.21) very slow, ~1.3 s per batch of 16 at 32x32 (benchmarks/README.md).
     settings = dataclasses.replace(
         SETTINGS,
         epochs=1,

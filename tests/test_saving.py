@@ -37,7 +37,7 @@ pytestmark = pytest.mark.filterwarnings(  # TensorFlow's variables and NumPy 2, 
 #: TensorFlow 2.5.1, that re-serializing the model it loaded from our file gives our config back).
 GOLDEN = Path(__file__).parent / "golden" / "sae_model_config.keras2.json"
 
-#: The training config every model file carries: the seed's compile() in Keras 2's schema.
+#: The training config every model file carries: the original trainer's compile() in Keras 2's schema.
 TRAINING_CONFIG = {
     "loss": "binary_crossentropy",
     "metrics": ["accuracy"],
@@ -67,7 +67,7 @@ def test_model_config_is_the_golden_keras2_config() -> None:
     assert model_config(build_sae(None, None)) == json.loads(GOLDEN.read_text())
 
 
-def test_training_config_is_the_seeds_compile_in_keras2_schema() -> None:
+def test_training_config_is_the_original_compile_in_keras2_schema() -> None:
     assert training_config(compiled_sae()) == TRAINING_CONFIG
 
 

@@ -326,7 +326,8 @@ def test_tiny_training_writes_loadable_models(trained: tuple[dict[str, Path], li
         prediction = model.predict(x, verbose=0)
         assert prediction.shape == (1, PATCH, PATCH, 1)
         assert np.all((prediction >= 0) & (prediction <= 1))
-        with h5py.File(path, "r") as f:  # compiled as the seed compiled it, without optimizer state by default
+        # Compiled as the original trainer compiled it; no optimizer state by default.
+        with h5py.File(path, "r") as f:
             assert "optimizer_weights" not in f
             training = json.loads(f.attrs["training_config"])
             assert (training["loss"], training["metrics"]) == ("binary_crossentropy", ["accuracy"])

@@ -8,8 +8,8 @@ overrides the choice: ``"mirrored"``, ``"default"``, or a tuple of device names 
 ``MirroredStrategy(devices=...)`` (tests use logical CPU devices on a CPU-only machine).
 
 **Batch size: the global batch.** ``TrainSettings.batch_size`` (Rodan's "Batch size", 16 by
-default) is the number of patches of one training step, as on the single GPU the seed
-trained on; with ``n`` replicas each computes ``batch_size / n`` of them and the gradients
+default) is the number of patches of one training step, as on the single GPU the
+original trainer used; with ``n`` replicas each computes ``batch_size / n`` of them and the gradients
 are summed, the loss being each replica's mean divided by ``n``: the gradient of the
 whole batch's mean. An epoch has ``ceil(train samples / batch_size)`` steps whatever the
 GPUs, so adding GPUs does not change what is trained (only the order of floating-point
@@ -26,23 +26,16 @@ CPUs) and gets the same weights and the same ``val_accuracy``. Only the reported
 averages of the training loss and accuracy and of ``val_loss`` count the copies (at most
 ``replicas - 1`` patches per epoch), so with several GPUs they can differ in the last digits.
 
-**Precision: float32 unless asked.** The seed trained in float32, and the models Rodan
-gets must be trained as the seed trained them on every hardware. ``mixed_precision`` is
+**Precision: float32 unless asked.** The original trainer trained in float32, and the
+models Rodan gets must be trained as it trained them on every hardware. ``mixed_precision`` is
 therefore ``"off"`` by default, on GPUs too. Mixed precision is an opt-in
 (``HPC_MIXED_PRECISION`` on the bridge): ``"float16"`` builds the model under Keras'
 ``mixed_float16`` policy (float16 computation, float32 variables, a float32 sigmoid layer
 so the probabilities and the loss stay float32, and a ``LossScaleOptimizer`` around
 Adam), ``"bfloat16"`` under ``mixed_bfloat16`` (no loss scaling). Measured on an H100
-(``benchmarks/bench_precision.py``, Keras 3 on JAX, a page made from the real Einsiedeln
-masks), both reach float32's validation accuracy (within 0.0001, inside float32's own
-seed-to-seed spread of 0.0003-0.0006) but train no faster at batch 16, where the host side
-of a step limits it, not the GPU: so float32 stays the default. On CPUs float16 is slow:
-``mixed_float16`` trained 6.5 times slower than float32 on the project's 2-core CPU, and on a CPU with
-AVX512-FP16 and AMX (TensorFlow 2.21, default oneDNN kernels) 26 times: 21 s instead of
-0.8 s for 256 32x32 patches (3 times with ``TF_ENABLE_ONEDNN_OPTS=0``, which also made
-float32 slower there). ``mixed_bfloat16`` trained 1.75 times faster than float32 on that
-CPU (it has AVX-512 BF16) at 64x64 and 256x256, and a 4-layer 256x256 run peaked at 3.9 GB
-instead of 6.1 (``benchmarks/bench_throughput.py``, ``bench_memory.py``).
+(``benchmarks/README.md``, "Precision"), both reach float32's validation accuracy but train
+no faster at batch 16, so float32 stays the default; on CPUs float16 is several times
+slower and bfloat16 faster where the CPU has AVX-512 BF16 (same file, "Training throughput").
 
 The saved ``.hdf5`` never carries the policy: :func:`worker.trainer.saving.save_model`
 writes the best weights (float32 variables) into a freshly built float32 model, which loads

@@ -19,12 +19,12 @@ were never the problem; the schema around them is.
 schema of TensorFlow 2.5's Keras (2.5.0), which TensorFlow 2.15 and Keras 3 read too: the
 model config translated key by key from Keras 3's (a key it does not know fails, so a
 Keras upgrade that changes what it writes fails a test), the training config (binary
-cross-entropy, accuracy, Adam(1e-4) as the seed compiled it, so the file loads compiled
+cross-entropy, accuracy, Adam(1e-4) as the original trainer compiled it, so the file loads compiled
 and ``fit`` works on it), the float32 weights, and with ``include_optimizer`` Adam's
 state of the best epoch in Keras 2's variable order. No second TensorFlow is needed: only
 h5py and JSON. ``tests/test_consumers.py`` loads every model of a real training in
 TensorFlow 2.5.1 (Python 3.7), 2.15.1 (Python 3.11) and the worker's Keras 3, and checks
-``predict`` against the trained weights and one ``fit`` step against the seed's loss,
+``predict`` against the trained weights and one ``fit`` step against the original trainer's loss,
 metric and optimizer (``consumers/``).
 
 **Any window size.** The saved input is ``(None, None, None, 3)``: the network is fully

@@ -30,7 +30,7 @@ class TrainSettings:
     ``"auto"`` (MirroredStrategy over the GPUs when more than one is visible, else the
     default strategy), ``"mirrored"``, ``"default"``, or a tuple of device names for
     ``MirroredStrategy(devices=...)`` (a list is turned into a tuple). ``mixed_precision``
-    is ``"off"`` (float32, the seed's precision, on every device), or the opt-in
+    is ``"off"`` (float32, the original trainer's precision, on every device), or the opt-in
     ``"float16"`` (``mixed_float16``) or ``"bfloat16"`` (``mixed_bfloat16``). See
     :mod:`worker.trainer.distribute`.
     """
