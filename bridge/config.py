@@ -20,9 +20,9 @@ from dotenv import dotenv_values
 from bridge.errors import ConfigError
 
 DEFAULT_CREDENTIALS = Path("credentials.env")
-#: Accepted spellings of HPC_SCHEDULER -> the backend's name.
 #: HPC_MIXED_PRECISION's values: the trainer's TrainSettings.mixed_precision (worker/trainer/settings.py).
 MIXED_PRECISION_CHOICES = ("off", "float16", "bfloat16")
+#: Accepted spellings of HPC_SCHEDULER -> the backend's name.
 SCHEDULER_ALIASES = {"slurm": "slurm", "gridengine": "gridengine", "sge": "gridengine", "grid engine": "gridengine"}
 
 

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "build":
             from consumers.build import build_all
 
-            build_all([by_name(name) for name in args.only] if args.only else CONSUMERS, lambda text: print(text))
+            build_all([by_name(name) for name in args.only] if args.only else CONSUMERS, print)
             return 0
         from consumers.verify import page_image, print_table, verify
 

@@ -34,8 +34,13 @@ from typing import IO, Any
 import h5py
 import numpy as np
 import numpy.typing as npt
+from PIL import Image
 
 from consumers import CONSUMERS, Consumer, run_check
+from worker.trainer._tf import keras
+from worker.trainer.dataset import network_input  # BGR, (255 - v) / 255: what Rodan's classifier feeds
+from worker.trainer.distribute import dtype_policy
+from worker.trainer.model import build_sae, compile_sae
 
 #: Largest difference allowed between a consumer's probabilities and the reference's.
 PREDICTION_TOLERANCE = 1e-5
@@ -86,19 +91,10 @@ class Verdict:
         return f"FAILS: {self.error}"
 
 
-def network_input(patches: npt.NDArray[np.uint8]) -> npt.NDArray[np.float32]:
-    """RGB uint8 windows as Rodan's classifier feeds them: BGR, ``(255 - v) / 255``."""
-    from worker.trainer.dataset import network_input as worker_input
-
-    return worker_input(patches)
-
-
 def page_image(path: Path | None) -> npt.NDArray[np.uint8]:
     """An RGB page to cut windows from: ``path``, or a fixed random one."""
     if path is None:
         return np.random.default_rng(0).integers(0, 256, (512, 512, 3), dtype=np.uint8)
-    from PIL import Image
-
     with Image.open(path) as image:
         return np.array(image.convert("RGB"), dtype=np.uint8)
 
@@ -141,10 +137,6 @@ def _file_adam(f: h5py.File) -> dict[str, npt.NDArray[Any]] | None:
 
 def reference(path: Path, data: Mapping[str, npt.NDArray[Any]]) -> dict[str, Any]:
     """What the file's weights predict, and the weights after one fit step (restored and fresh Adam)."""
-    from worker.trainer._tf import keras
-    from worker.trainer.distribute import dtype_policy
-    from worker.trainer.model import build_sae, compile_sae
-
     with h5py.File(path, "r") as f:
         weights, adam = _file_weights(f), _file_adam(f)
 
