@@ -20,7 +20,7 @@ from PIL import Image
 from tests.pages import striped_page
 from worker.trainer import Page, TrainingInputError, TrainSettings, load_page, train_page
 from worker.trainer.callbacks import EPOCH_KEYS
-from worker.trainer.dataset import INPUT_LOOKUP, PatchDataset, split_validation
+from worker.trainer.dataset import INPUT_LOOKUP, PatchDataset, split_validation, training_input
 from worker.trainer.model import PARAMETER_COUNT, build_sae, get_sae
 from worker.trainer.sampling import centre_ranges, sample_centres, samples_per_label, selection_ratios
 from worker.trainer.saving import LabelResult, model_file_names, save_model
@@ -224,6 +224,53 @@ def test_batches_are_built_from_uint8_page() -> None:
         orders.append(tuple(shuffled._order))
         assert sorted(shuffled._order) == list(range(40))
     assert orders[0] != orders[1]
+
+
+def test_training_input_gives_the_numpy_batches_bit_for_bit() -> None:
+    """What fit reads (tf.data, converted in TensorFlow ops) equals the NumPy batches, every
+    one of the 256 pixel values included, and follows the order drawn before each iteration."""
+    page = striped_page(120, 130)
+    page.image[:16, :16] = np.arange(256, dtype=np.uint8).reshape(16, 16)[..., None]  # every value
+    mask = page.masks["Layer 0"]
+    many = np.stack([np.repeat([20, 40, 60], 9)[:25], np.tile(np.arange(20, 29), 3)[:25]], axis=1).astype(np.int64)
+    many[0] = (PATCH // 2, PATCH // 2)  # a patch holding the 256 values
+    for multiple_of, weigh_for in ((1, "loss"), (4, "loss"), (4, "accuracy")):
+        data = PatchDataset(
+            page.image, mask, many, PATCH, PATCH, 8, shuffle_rng=np.random.default_rng(1),
+            multiple_of=multiple_of, weigh_for=weigh_for,  # type: ignore[arg-type]
+        )  # fmt: skip
+        pipeline = training_input(data)
+        assert int(pipeline.cardinality()) == len(data) == 4
+        for _ in range(2):  # a new order each time, read when the iteration starts
+            data.shuffle()
+            got = [tuple(t.numpy() for t in batch) for batch in pipeline]
+            want = [data[i] for i in range(len(data))]
+            assert len(got) == len(want)
+            for got_batch, want_batch in zip(got, want, strict=True):
+                assert len(got_batch) == len(want_batch) == (2 if multiple_of == 1 else 3)
+                for g, w in zip(got_batch, want_batch, strict=True):
+                    assert g.dtype == w.dtype and g.shape == w.shape
+                    np.testing.assert_array_equal(g, w)
+    x_all = next(iter(training_input(PatchDataset(page.image, mask, many[:1], PATCH, PATCH, 1))))[0].numpy()
+    assert set(np.unique(x_all)) == set(INPUT_LOOKUP)  # all 256 values went through TensorFlow's conversion
+
+
+def test_training_input_of_large_patches_gives_the_numpy_batches() -> None:
+    """Batches of over 2 MB of patches are cut one at a time (no blocks): the same batches."""
+    rng = np.random.default_rng(3)
+    image = rng.integers(0, 256, (300, 320, 3), dtype=np.uint8)
+    mask = rng.random((300, 320)) < 0.4
+    centres = np.stack([rng.integers(128, 171, 100), rng.integers(128, 191, 100)], axis=1)
+    for multiple_of in (1, 16):
+        data = PatchDataset(image, mask, centres, 128, 128, 48, shuffle_rng=np.random.default_rng(1),
+                            multiple_of=multiple_of)  # fmt: skip
+        data.shuffle()
+        got = [tuple(t.numpy() for t in batch) for batch in training_input(data)]
+        assert [len(g[0]) for g in got] == [48, 48, 16 if multiple_of == 16 else 4]
+        for got_batch, want_batch in zip(got, (data[i] for i in range(len(data))), strict=True):
+            for g, w in zip(got_batch, want_batch, strict=True):
+                assert g.dtype == w.dtype
+                np.testing.assert_array_equal(g, w)
 
 
 # --------------------------------------------------------------------------- input errors

@@ -3,12 +3,25 @@
 Nothing float is kept between batches: the page stays uint8, each layer's mask bool, the
 samples an ``(n, 2)`` int array. A batch of 16 256x256 patches is 12.6 MB of float32,
 where the original's float64 arrays for 10,000 samples per label took gigabytes.
+
+**The input pipeline** (:func:`training_input`, what ``fit`` reads). Python only cuts
+batches out of a BGR copy of the page (:func:`network_order`, made once per page), as
+uint8, several small batches per call (a fancy-indexed copy of 3 MB for 16 256x256
+patches: about 0.4 ms here); turning them into the network's float32 input, the part that
+costs (12 ms a 256x256 batch in NumPy on one core, 2 ms in TensorFlow), runs in ``tf.data``
+as TensorFlow ops, on two blocks at once and outside the GIL, and the next batches are
+prefetched while the model steps. ``tf.data``'s autotuning is off: with it, destroying each epoch's
+iterator waited for its autotune thread, stalling every epoch by up to tens of seconds on
+a 2-core node (``benchmarks/README.md``, "Trainer"), and a fixed depth needs no tuning
+when a step takes milliseconds on a GPU and seconds on a CPU. ``bench_input.py`` measures
+what it delivers with the model replaced by nothing.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from collections.abc import Iterator
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -22,6 +35,15 @@ from worker.trainer.sampling import Centres
 INPUT_LOOKUP: npt.NDArray[np.float32] = ((255.0 - np.arange(256, dtype=np.float64)) / 255.0).astype(np.float32)
 #: ``(x, y)``, or ``(x, y, sample_weight)`` when several replicas share each batch.
 Batch = tuple[npt.NDArray[np.float32], ...]
+#: ``(uint8 BGR patches, bool masks)``, or ``(..., sample_weight)``: a batch as cut from the page.
+RawBatch = tuple[npt.NDArray[Any], ...]
+#: Blocks (see :meth:`PatchDataset.raw_blocks`) converted at once by ``tf.data``, each on one thread.
+PARALLEL_BLOCKS = 2
+#: Batches ready ahead of the one the model steps on.
+PREFETCH_BATCHES = 4
+#: About how many bytes of uint8 patches Python cuts per call: 10 batches of 16 64x64
+#: patches, one of 256x256.
+BLOCK_BYTES = 2 << 20
 
 
 def split_validation(centres: Centres, validation_split: float) -> tuple[Centres, Centres]:
@@ -41,6 +63,23 @@ def network_input(image_patches: npt.NDArray[np.uint8]) -> npt.NDArray[np.float3
     ``(255 - v) / 255``.
     """
     return INPUT_LOOKUP[image_patches[..., ::-1]]
+
+
+def network_order(image: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
+    """A contiguous copy of an RGB page in the network's channel order (BGR, see :func:`network_input`).
+
+    Made once per page: reversing the channels of every batch instead costs more than
+    everything else the input pipeline does (3.5 ms of a 256x256 batch's 5 ms in TensorFlow,
+    5 ms in NumPy), and a contiguous page is cut with plain copies.
+    """
+    return np.ascontiguousarray(image[..., ::-1])
+
+
+def to_network_batch(raw: RawBatch) -> Batch:
+    """A :data:`RawBatch` as the network trains on it, in NumPy: ``x`` as :func:`network_input`
+    makes it (the patches are BGR already), ``y`` float32 ``(b, ph, pw, 1)``, the weights unchanged."""
+    patches, masks, *weights = raw
+    return (INPUT_LOOKUP[patches], masks.astype(np.float32)[..., np.newaxis], *weights)
 
 
 class PatchDataset(keras.utils.PyDataset):  # type: ignore[misc]
@@ -84,12 +123,19 @@ class PatchDataset(keras.utils.PyDataset):  # type: ignore[misc]
         shuffle_rng: np.random.Generator | None = None,
         multiple_of: int = 1,
         weigh_for: Literal["loss", "accuracy"] = "loss",
+        *,
+        bgr: npt.NDArray[np.uint8] | None = None,
     ) -> None:
         super().__init__()
-        self._images = sliding_window_view(image, (patch_height, patch_width, image.shape[2]))
+        if bgr is None:
+            bgr = network_order(image)
+        elif bgr.shape != image.shape:
+            raise ValueError(f"the BGR page is {bgr.shape}, the page {image.shape}")
+        self._images = sliding_window_view(bgr, (patch_height, patch_width, image.shape[2]))
         self._masks = sliding_window_view(mask, (patch_height, patch_width))
         self._corners = np.asarray(centres, dtype=np.int64) - np.array([patch_height // 2, patch_width // 2])
         self._batch_size = batch_size
+        self._patch_shape = (patch_height, patch_width)
         self._rng = shuffle_rng
         self._order: npt.NDArray[np.int64] = np.arange(len(self._corners), dtype=np.int64)
         if multiple_of < 1 or batch_size % multiple_of:
@@ -107,6 +153,16 @@ class PatchDataset(keras.utils.PyDataset):  # type: ignore[misc]
     @property
     def batch_size(self) -> int:
         return self._batch_size
+
+    @property
+    def patch_shape(self) -> tuple[int, int]:
+        """``(patch_height, patch_width)``."""
+        return self._patch_shape
+
+    @property
+    def weighted(self) -> bool:
+        """Whether batches carry sample weights (several replicas share them)."""
+        return self._multiple_of > 1
 
     @property
     def rng(self) -> np.random.Generator | None:
@@ -131,20 +187,42 @@ class PatchDataset(keras.utils.PyDataset):  # type: ignore[misc]
             raise ValueError(f"cannot continue an epoch of {self.samples} samples at {start} with order {order.shape}")
         return RemainingBatches(self, order[start:])
 
-    def batch(self, chosen: npt.NDArray[np.int64]) -> Batch:
-        """The ``(x, y)`` batch of the samples ``chosen`` (indices into the centres), with
-        sample weights ``(x, y, w)`` when the replicas are several (see the class docstring)."""
+    def raw_batch(self, chosen: npt.NDArray[np.int64]) -> RawBatch:
+        """The batch of the samples ``chosen`` (indices into the centres) as cut from the page:
+        uint8 BGR patches ``(b, ph, pw, 3)`` and bool masks ``(b, ph, pw)``, with sample weights
+        ``(b, 1, 1)`` when the replicas are several (see the class docstring).
+        :func:`to_network_batch` (NumPy) and :func:`training_input` (``tf.data``) turn it into
+        what the network trains on."""
         real = len(chosen)
         if real % self._multiple_of:  # the last batch: top it up with its own patches
             chosen = np.resize(chosen, -(-real // self._multiple_of) * self._multiple_of)
         rows, cols = self._corners[chosen, 0], self._corners[chosen, 1]
-        x = network_input(self._images[rows, cols, 0])
-        y = self._masks[rows, cols].astype(np.float32)[..., np.newaxis]
+        patches, masks = self._images[rows, cols, 0], self._masks[rows, cols]
         if self._multiple_of == 1:
-            return x, y
+            return patches, masks
         weights = np.zeros((len(chosen), 1, 1), dtype=np.float32)  # broadcast over each patch's pixels
         weights[:real] = len(chosen) / real if self._weigh_for == "loss" else 1.0
-        return x, y, weights
+        return patches, masks, weights
+
+    def batch(self, chosen: npt.NDArray[np.int64]) -> Batch:
+        """The ``(x, y)`` batch of the samples ``chosen``, ``(x, y, w)`` with several replicas."""
+        return to_network_batch(self.raw_batch(chosen))
+
+    def raw_blocks(self, per_block: int, order: npt.NDArray[np.int64] | None = None) -> Iterator[RawBatch]:
+        """The batches of an epoch in ``order`` (default: the current one), cut as by
+        :meth:`raw_batch` but ``per_block`` batches at a time, stacked on a new leading axis
+        (``(k, b, ph, pw, 3)``...): one Python call and one copy per block, which matters for
+        small patches. The last, smaller batch comes alone, as a block of one."""
+        order = self._order if order is None else order  # shuffle() replaces the array, never changes it
+        size = self._batch_size
+        full = len(order) // size
+        for first in range(0, full, per_block):
+            count = min(per_block, full - first)
+            chosen = order[first * size : (first + count) * size]
+            # Full batches need no top-up and weigh 1 (padded / real = 1): one cut serves them all.
+            yield tuple(part.reshape(count, size, *part.shape[1:]) for part in self.raw_batch(chosen))
+        if len(order) > full * size:
+            yield tuple(part[np.newaxis] for part in self.raw_batch(order[full * size :]))
 
     def __getitem__(self, index: int) -> Batch:
         if not 0 <= index < len(self):
@@ -174,8 +252,72 @@ class RemainingBatches(keras.utils.PyDataset):  # type: ignore[misc]
     def __len__(self) -> int:
         return math.ceil(len(self._order) / self._dataset.batch_size)
 
+    @property
+    def batch_size(self) -> int:
+        return self._dataset.batch_size
+
+    @property
+    def patch_shape(self) -> tuple[int, int]:
+        return self._dataset.patch_shape
+
+    @property
+    def weighted(self) -> bool:
+        return self._dataset.weighted
+
     def __getitem__(self, index: int) -> Batch:
         if not 0 <= index < len(self):
             raise IndexError(index)
         size = self._dataset.batch_size
         return self._dataset.batch(self._order[index * size : (index + 1) * size])
+
+    def raw_blocks(self, per_block: int) -> Iterator[RawBatch]:
+        return self._dataset.raw_blocks(per_block, self._order)
+
+
+def _network_batch_tf(patches: Any, masks: Any, *weights: Any) -> tuple[Any, ...]:
+    """:func:`to_network_batch` in TensorFlow ops: the same float32 values, bit for bit
+    (``255 - v`` is exact in float32 and its division by 255 correctly rounded, as in
+    :data:`INPUT_LOOKUP`; ``tests/test_trainer.py`` checks all 256 values)."""
+    import tensorflow as tf
+
+    x = (255.0 - tf.cast(patches, tf.float32)) / 255.0
+    y = tf.cast(masks, tf.float32)[..., tf.newaxis]
+    return (x, y, *weights)
+
+
+def training_input(
+    source: PatchDataset | RemainingBatches, parallel: int = PARALLEL_BLOCKS, prefetch: int = PREFETCH_BATCHES
+) -> Any:
+    """The ``tf.data.Dataset`` of ``source``'s batches that ``fit`` reads (see the module docstring).
+
+    Every iterator over it (Keras makes one per epoch, after the callbacks' ``on_epoch_begin``,
+    so after :class:`~worker.trainer.callbacks.EpochShuffle` drew the epoch's order) yields
+    the batches of ``source`` in its order at that moment, exactly those of ``source[i]``.
+    """
+    import tensorflow as tf
+
+    height, width = source.patch_shape
+    per_block = max(1, min(16, BLOCK_BYTES // (source.batch_size * height * width * 3)))
+    # Blocks of one (large patches) go as plain batches: unbatching them would cost a copy.
+    block: tuple[None, ...] = (None,) if per_block > 1 else ()
+    signature: tuple[Any, ...] = (
+        tf.TensorSpec((*block, None, height, width, 3), tf.uint8),
+        tf.TensorSpec((*block, None, height, width), tf.bool),
+    )
+    if source.weighted:
+        signature += (tf.TensorSpec((*block, None, 1, 1), tf.float32),)
+
+    def batches() -> Iterator[RawBatch]:
+        for raw in source.raw_blocks(per_block):
+            yield raw if block else tuple(part[0] for part in raw)
+
+    data = tf.data.Dataset.from_generator(batches, output_signature=signature)
+    data = data.map(_network_batch_tf, num_parallel_calls=parallel, deterministic=True)
+    if block:
+        data = data.unbatch()
+    data = data.prefetch(prefetch)
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    options.deterministic = True
+    options.experimental_optimization.apply_default_optimizations = False
+    return data.with_options(options).apply(tf.data.experimental.assert_cardinality(len(source)))

@@ -211,3 +211,17 @@ def sample_centres(
     for label, parts in zip(labels, found, strict=True):
         result[label] = np.concatenate(parts) if parts else np.empty((0, 2), dtype=np.int64)
     return result
+
+
+def run_centres(
+    masks: Mapping[str, npt.NDArray[np.bool_]],
+    patch_height: int,
+    patch_width: int,
+    max_samples_per_label: int,
+    seed: int | None,
+) -> dict[str, Centres]:
+    """The centres :func:`worker.trainer.train.train_page` trains on with ``seed`` (None: fresh
+    entropy): :func:`sample_centres` with the first child of ``SeedSequence(seed)`` (the
+    other children seed the layers' shuffling and initial weights)."""
+    sampling_seed = np.random.SeedSequence(seed).spawn(1)[0]
+    return sample_centres(masks, patch_height, patch_width, max_samples_per_label, np.random.default_rng(sampling_seed))

@@ -58,12 +58,13 @@ from worker.trainer.checkpoint import (
     generator_from_state,
     write_atomic,
 )
-from worker.trainer.dataset import PatchDataset, split_validation
-from worker.trainer.distribute import plan_training, trained_optimizer_variables
+from worker.trainer.dataset import PatchDataset, network_order, split_validation, training_input
+from worker.trainer.distribute import TrainingPlan, dtype_policy, plan_training, trained_optimizer_variables
 from worker.trainer.errors import TrainingInputError
+from worker.trainer.model import build_sae
 from worker.trainer.page import Page
 from worker.trainer.rundir import RunDirectory
-from worker.trainer.sampling import Centres, centre_ranges, sample_centres
+from worker.trainer.sampling import Centres, centre_ranges, run_centres
 from worker.trainer.saving import LabelResult, model_file_names, save_model
 from worker.trainer.settings import TrainSettings
 
@@ -203,6 +204,40 @@ def restore_optimizer(optimizer: Any, values: Sequence[npt.NDArray[Any]]) -> Non
         count = min(len(variables), len(values))
         variables, values = variables[len(variables) - count :], values[len(values) - count :]
     _assign(variables, values)
+
+
+class ModelReuse:
+    """One compiled SAE per plan and patch size for a whole page, reset before each layer.
+
+    Building and compiling a model takes a fraction of a second, but its first training step
+    traces the train function (2-4 s on a CPU, an XLA compilation on a GPU) and its first
+    validation the test function. Every layer of a page trains the same network on patches
+    of the same size, so the later layers reuse the first one's model and traced functions:
+    :meth:`model` sets its weights to those a new model would draw (a network built afresh
+    right after the layer's seed was set, as for the first layer) and its optimizer's
+    variables to their values when it was built, so a layer trains exactly as on a new model
+    (``tests/test_resume.py`` gets bit-identical weights whichever layer a run resumes at).
+    """
+
+    def __init__(self) -> None:
+        self._models: dict[tuple[Any, ...], tuple[Any, list[npt.NDArray[Any]]]] = {}
+
+    def model(self, plan: TrainingPlan, height: int, width: int) -> Any:
+        """A compiled model for ``plan`` in its initial state (weights drawn now, fresh optimizer)."""
+        key = (id(plan.strategy), plan.policy, plan.replicas, height, width)
+        if key not in self._models:
+            model = plan.build_model(height, width)
+            with plan.strategy.scope():
+                model.optimizer.build(model.trainable_variables)
+            self._models[key] = (model, variable_values(model.optimizer.variables))
+            return model
+        model, optimizer_start = self._models[key]
+        with dtype_policy(plan.policy):
+            initial = build_sae(height, width).get_weights()  # the draws plan.build_model makes
+        with plan.strategy.scope():
+            model.set_weights(initial)
+            _assign(model.optimizer.variables, optimizer_start)
+        return model
 
 
 def restore_model(model: Any, strategy: Any, state: LayerState) -> None:
@@ -348,6 +383,8 @@ def train_label(
     resume: LayerState | None = None,
     save: SaveLayer | None = None,
     stop_requested: Callable[[], bool] | None = None,
+    models: ModelReuse | None = None,
+    bgr: npt.NDArray[np.uint8] | None = None,
 ) -> LabelResult:
     """Train a fresh SAE on ``label``'s samples and return its best epoch.
 
@@ -362,7 +399,10 @@ def train_label(
     ``resume`` continues from a checkpoint's state of this layer (``shuffle_rng`` must then
     be the generator in that state, see :func:`generator_from_state`). ``save`` is called
     with the layer's state at every epoch end and when ``stop_requested`` stops training
-    (see the module docstring), which raises TrainingInterrupted.
+    (see the module docstring), which raises TrainingInterrupted. ``models`` lends a model
+    already traced by an earlier layer (see :class:`ModelReuse`); without it one is built.
+    ``bgr`` is the page in the network's channel order (:func:`network_order`), made once per
+    page by :func:`train_page`; without it, it is made here.
     """
     train_centres, validation_centres = split_validation(centres, settings.validation_split)
     if len(train_centres) == 0 or len(validation_centres) == 0:
@@ -371,15 +411,17 @@ def train_label(
     if init_seed is not None:
         keras.utils.set_random_seed(init_seed)
     plan = plan_training(settings)  # the GPUs that share settings.batch_size evenly
-    model = plan.build_model(ph, pw)  # created and compiled inside plan.strategy.scope()
+    model = (models or ModelReuse()).model(plan, ph, pw)  # made inside plan.strategy.scope()
     mask = np.asarray(page.masks[label], dtype=bool)
     batch = plan.global_batch_size
     replicas = plan.replicas  # every batch a multiple of this: an equal share per replica
+    if bgr is None:
+        bgr = network_order(page.image)
     train_data = PatchDataset(
-        page.image, mask, train_centres, ph, pw, batch, shuffle_rng=shuffle_rng, multiple_of=replicas
+        page.image, mask, train_centres, ph, pw, batch, shuffle_rng=shuffle_rng, multiple_of=replicas, bgr=bgr
     )
     validation_data = PatchDataset(
-        page.image, mask, validation_centres, ph, pw, batch, multiple_of=replicas, weigh_for="accuracy"
+        page.image, mask, validation_centres, ph, pw, batch, multiple_of=replicas, weigh_for="accuracy", bgr=bgr
     )
     best = BestEpoch(keep_optimizer=settings.include_optimizer)
     stopper = EarlyStopper(settings.patience)
@@ -399,11 +441,13 @@ def train_label(
             label, first_epoch + 1, resume.sample_offset, len(train_centres),
         )  # fmt: skip
 
+    validation_input = training_input(validation_data)
+
     def fit(data: Any, start: int, stop: int, samples: int, own: list[Any]) -> None:
         reporter = EpochReporter(label, samples, on_epoch)
         model.fit(
-            data,
-            validation_data=validation_data,
+            training_input(data),
+            validation_data=validation_input,
             initial_epoch=start,
             epochs=stop,
             shuffle=False,  # the dataset shuffles itself (EpochShuffle): Keras would reorder its batches
@@ -498,7 +542,7 @@ def train_page(
         seed = state.seed
     elif seed is None and checkpoints is not None:
         seed = secrets.randbits(63)  # kept in the checkpoints, so that a resumed run continues with it
-    sampling_seed, *label_seeds = np.random.SeedSequence(seed).spawn(1 + len(labels))
+    _, *label_seeds = np.random.SeedSequence(seed).spawn(1 + len(labels))
     if state is not None:
         centres = state.centres
         log.info(
@@ -506,12 +550,8 @@ def train_page(
             state.sequence, len(state.finished), len(labels),
         )  # fmt: skip
     else:
-        centres = sample_centres(
-            page.masks,
-            settings.patch_height,
-            settings.patch_width,
-            settings.max_samples_per_label,
-            np.random.default_rng(sampling_seed),
+        centres = run_centres(
+            page.masks, settings.patch_height, settings.patch_width, settings.max_samples_per_label, seed
         )
     check_samples(centres, settings)
 
@@ -554,6 +594,8 @@ def train_page(
             checkpoints.save(snapshot(None))  # the seed and the samples, before any training
 
     names = model_file_names(labels)
+    models = ModelReuse()
+    bgr = network_order(page.image)  # once for every layer's datasets
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Path] = {}
@@ -582,6 +624,8 @@ def train_page(
                 resume=resume,
                 save=save,
                 stop_requested=stop_requested,
+                models=models,
+                bgr=bgr,
             )
             paths[label] = save_model(result, out_dir / names[label], settings)
             if checkpoints is not None:
