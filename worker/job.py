@@ -33,6 +33,7 @@ from bridge.replies import ReplyBox
 from bridge.rodan import RodanClient
 from bridge.spool import Spool, atomic_write_json, read_json
 from bridge.spool import safe_key as spool_key
+from worker import memory, onednn
 from worker.continuation import ContinuationPlan, TimeLimitWarning, continue_job
 from worker.gpumon import GpuMonitor
 
@@ -125,8 +126,12 @@ def run_job(params_path: Path) -> int:
         return 0
     warning = TimeLimitWarning.from_environment().install()
     try:
+        onednn.choose(onednn.tuning_dir())  # before TensorFlow is imported
         # Imports TensorFlow: an environment that cannot train still gets its error reply.
+        from worker.trainer._tf import keras  # noqa: F401
         from worker.trainer.rundir import RunDirectory
+
+        memory.release_library_pages()  # what the import touched once (worker/memory.py)
 
         if params.run_dir is not None and params.run_dir.is_dir():
             run_dir = RunDirectory(params.run_dir)
