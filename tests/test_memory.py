@@ -22,8 +22,7 @@ CHILD = """
     from worker.trainer.model import get_sae  # imports TensorFlow
 
     def library_pages():
-        # kB of the libraries' pages this process alone maps (Private_Clean) and those other
-        # processes map too (Shared_Clean: the kernel leaves those, e.g. another TensorFlow's).
+        # kB of the libraries' clean pages this process maps: alone, and with other processes.
         sizes, inside = {"Private_Clean": 0, "Shared_Clean": 0}, False
         with open("/proc/self/smaps") as smaps:
             for line in smaps:
@@ -47,7 +46,7 @@ CHILD = """
 """
 
 
-def test_release_library_pages_gives_back_the_private_ones_and_training_goes_on() -> None:
+def test_release_library_pages_unmaps_them_and_training_goes_on() -> None:
     done = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(CHILD)],
         cwd=REPO,
@@ -59,10 +58,12 @@ def test_release_library_pages_gives_back_the_private_ones_and_training_goes_on(
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     before, after = result["before"], result["after"]
-    # TensorFlow's import touches hundreds of MB of its libraries (alone, 424 MB of the 626 MB
-    # RSS; fewer are private when another process here, e.g. a test worker, imported it too).
-    assert before["Private_Clean"] + before["Shared_Clean"] > 300 * 1024
-    assert after["Private_Clean"] <= 0.1 * before["Private_Clean"] + 4096  # kB: those this process alone held
-    assert result["released"] >= (before["Private_Clean"] - after["Private_Clean"]) * 1024 * 0.8
-    assert result["rss_after"] == result["rss_before"] - result["released"]
+    touched_before = before["Private_Clean"] + before["Shared_Clean"]
+    touched_after = after["Private_Clean"] + after["Shared_Clean"]
+    # TensorFlow's import leaves some 300-420 MB of its libraries' clean pages mapped; they go
+    # (shared ones too: unmapping leaves them to the page cache and to the other processes).
+    assert touched_before > 250 * 1024
+    assert touched_after <= 0.1 * touched_before + 8 * 1024  # kB
+    assert result["released"] > 200 << 20
+    assert abs(result["rss_after"] - (result["rss_before"] - result["released"])) < 16 << 20
     assert all(0 < loss < 10 for loss in result["losses"]) and len(set(result["losses"])) == 3  # it trains
