@@ -412,21 +412,23 @@ def models_of(reply: dict[str, Any], where: Path) -> dict[str, list[np.ndarray]]
 def test_training_longer_than_one_job_continues_and_equals_an_uninterrupted_run(
     harness, rodan, sample_inputs, tmp_path
 ):
-    """One request needs several one-minute jobs; the same request with time to spare needs one.
+    """One request needs several two-minute jobs; the same request with time to spare needs one.
 
     With the same seed both must train the same number of epochs on the same samples, and so
     end with the same models; each gets exactly one reply.
     """
     cluster = harness.cluster
-    # Warned 30 s into a one-minute job (the most a warning may take: half the limit), so each job
-    # trains ~10-15 s after its start-up; the training needs 70-90 s on these 2 cores, so the first
-    # job is cut even on a machine several times faster.
-    harness.env.update(HPC_WARN_SECONDS="30", HPC_TRAINING_SEED="20261126", HPC_MAX_CONTINUATIONS="20")
+    # Warned 60 s into a two-minute job (the most a warning may take: half the limit). Slurm sends
+    # its warning up to a minute early, so a Slurm job may train only a few seconds after its
+    # start-up (~10 s here): with one-minute jobs a CI run under load once needed more than 20.
+    # The training needs 70-90 s on these 2 cores alone (over 250 s beside the other tests), so
+    # the first job is cut even on a machine several times faster.
+    harness.env.update(HPC_WARN_SECONDS="60", HPC_TRAINING_SEED="20261126", HPC_MAX_CONTINUATIONS="20")
     metrics = tmp_path / "hpc_bridge.prom"
     harness.env["HPC_METRICS_FILE"] = str(metrics)
     page = sample_inputs("new", n_layers=1, height=320, width=384, seed=12)
     work = {**LONG, "Maximum number of samples per label": 1500}
-    continued = rodan.publish_request(page, {**work, "Maximum time (D-HH:MM)": "0-00:01"})
+    continued = rodan.publish_request(page, {**work, "Maximum time (D-HH:MM)": "0-00:02"})
     reference = rodan.publish_request(page, {**work, "Maximum time (D-HH:MM)": "0-00:15"})
     # Between cron passes, ``status`` as an operator runs it, once the ledger has counted a
     # continuation and until status has shown it (the state stays "continued" until the reply).
