@@ -66,10 +66,19 @@ def forever(data: PatchDataset, epoch: Callable[[PatchDataset], Iterable[Any]]) 
         yield from epoch(data)
 
 
-def with_workers(data: PatchDataset, workers: int) -> PatchDataset:
-    """``data`` as a ``PyDataset(workers=...)``: Keras' own threads fetch its batches."""
-    keras.utils.PyDataset.__init__(data, workers=workers)
-    return data
+class AsPyDataset(keras.utils.PyDataset):  # type: ignore[misc]
+    """A PatchDataset as the Keras ``PyDataset`` the trainer used to hand ``fit`` (``workers``:
+    Keras' own threads fetch its batches)."""
+
+    def __init__(self, data: PatchDataset, workers: int = 1) -> None:
+        super().__init__(workers=workers)
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.data[index]
 
 
 class NoOpModel(keras.Model):  # type: ignore[misc]
@@ -133,8 +142,8 @@ def main() -> int:
 
         ways: list[tuple[str, Callable[[PatchDataset], Iterable[Any]] | None]] = [
             ("numpy, one thread", lambda d: (d[i] for i in range(len(d)))),
-            ("keras PyDataset (before)", lambda d: PyDatasetAdapter(d).get_tf_dataset()),
-            ("keras PyDataset, 2 workers", lambda d: PyDatasetAdapter(with_workers(d, 2)).get_tf_dataset()),
+            ("keras PyDataset (before)", lambda d: PyDatasetAdapter(AsPyDataset(d)).get_tf_dataset()),
+            ("keras PyDataset, 2 workers", lambda d: PyDatasetAdapter(AsPyDataset(d, workers=2)).get_tf_dataset()),
             ("training_input", training_input),
             ("training_input -> fit, no-op model", None),
             ("constant batch -> fit, no-op model", None),

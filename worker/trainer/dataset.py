@@ -27,7 +27,6 @@ import numpy as np
 import numpy.typing as npt
 from numpy.lib.stride_tricks import sliding_window_view
 
-from worker.trainer._tf import keras
 from worker.trainer.sampling import Centres
 
 #: ``INPUT_LOOKUP[v] == float32((255 - v) / 255)`` computed in float64 as the original
@@ -82,8 +81,8 @@ def to_network_batch(raw: RawBatch) -> Batch:
     return (INPUT_LOOKUP[patches], masks.astype(np.float32)[..., np.newaxis], *weights)
 
 
-class PatchDataset(keras.utils.PyDataset):  # type: ignore[misc]
-    """A Keras dataset of ``(x, y)`` batches for one layer.
+class PatchDataset:
+    """The ``(x, y)`` batches of one layer (``fit`` reads them through :func:`training_input`).
 
     ``x`` is float32 ``(b, ph, pw, 3)`` (see :func:`network_input`), ``y`` float32
     ``(b, ph, pw, 1)``, 1 where the layer is. With ``shuffle_rng``, :meth:`shuffle` draws a
@@ -126,7 +125,6 @@ class PatchDataset(keras.utils.PyDataset):  # type: ignore[misc]
         *,
         bgr: npt.NDArray[np.uint8] | None = None,
     ) -> None:
-        super().__init__()
         if bgr is None:
             bgr = network_order(image)
         elif bgr.shape != image.shape:
@@ -233,7 +231,7 @@ class PatchDataset(keras.utils.PyDataset):  # type: ignore[misc]
         return f"PatchDataset(samples={self.samples}, batch_size={self._batch_size}, shuffle={self._rng is not None})"
 
 
-class RemainingBatches(keras.utils.PyDataset):  # type: ignore[misc]
+class RemainingBatches:
     """The rest of an interrupted epoch of a :class:`PatchDataset`: ``order`` in batches of its size.
 
     Batch ``i`` holds the same patches as batch ``k + i`` of the uninterrupted epoch when
@@ -241,7 +239,6 @@ class RemainingBatches(keras.utils.PyDataset):  # type: ignore[misc]
     """
 
     def __init__(self, dataset: PatchDataset, order: npt.NDArray[np.int64]) -> None:
-        super().__init__()
         self._dataset = dataset
         self._order = order
 
@@ -315,7 +312,7 @@ def training_input(
     data = data.map(_network_batch_tf, num_parallel_calls=parallel, deterministic=True)
     if block:
         data = data.unbatch()
-    data = data.prefetch(prefetch)
+    data = data.take(len(source)).prefetch(prefetch)  # no more than len(source), should a subclass cap it
     options = tf.data.Options()
     options.autotune.enabled = False
     options.deterministic = True
