@@ -59,7 +59,7 @@ def run_command(
     env: Mapping[str, str] | None = None,
     check: bool = True,
 ) -> CommandResult:
-    """Run ``argv`` without a shell and return its output.
+    """Run ``argv`` without a shell and return its output (bytes that do not decode become U+FFFD).
 
     Raises :class:`CommandTimeout`, :class:`CommandNotFound`, or (with
     ``check``) :class:`CommandError` for a non-zero exit.
@@ -72,6 +72,7 @@ def run_command(
             input=input_text,
             capture_output=True,
             text=True,
+            errors="replace",  # output that is not valid in the locale's encoding never raises
             timeout=timeout,
             env=dict(env) if env is not None else None,
             check=False,

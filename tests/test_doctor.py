@@ -23,6 +23,7 @@ ALL_CHECKS = [
     "rodan",
     "scheduler-commands",
     "scheduler",
+    "scheduler-accounting",
     "spool",
     "spool-shared",
     "template",
@@ -70,6 +71,7 @@ def test_healthy_deployment_passes_every_check(tmp_path: Path, deployment: dict[
         # The spool lies under /tmp in tests: node-local, which is a warning, not a failure.
         assert line.startswith("warn" if name == "spool-shared" else "ok"), line
     assert "TensorFlow" in output and "GPU(s) visible" in output
+    assert "ok   scheduler-accounting: Slurm accounting answers (sacct answers)" in output
     assert RODAN_PASSWORD not in output
 
 
@@ -172,6 +174,8 @@ def test_scheduler_commands_missing(tmp_path: Path, deployment: dict[str, str]) 
     assert "sbatch" in commands["found"] and "squeue" in commands["found"] and "not on PATH" in commands["found"]
     assert "PATH" in commands["fix"]
     assert checks["scheduler"]["status"] == "FAIL"
+    accounting = checks["scheduler-accounting"]
+    assert accounting["status"] == "skip" and "sacct is not on PATH" in accounting["found"]
 
 
 def test_scheduler_not_answering(tmp_path: Path, deployment: dict[str, str]) -> None:
@@ -188,6 +192,27 @@ def test_scheduler_not_answering(tmp_path: Path, deployment: dict[str, str]) -> 
     assert scheduler["status"] == "FAIL"
     assert "not answering" in scheduler["found"] and "timed out" in scheduler["found"]
     assert "slurmctld" in scheduler["fix"] and "HPC_SCHEDULER_TIMEOUT" in scheduler["fix"]
+
+
+def test_slurm_accounting_disabled(tmp_path: Path, deployment: dict[str, str]) -> None:
+    # What sacct says on a cluster without slurmdbd (AccountingStorageType=accounting_storage/none).
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    sacct = fake / "sacct"
+    sacct.write_text("#!/bin/sh\necho 'Slurm accounting storage is disabled' >&2\nexit 1\n")
+    sacct.chmod(0o755)
+    env = {"PATH": f"{fake}{os.pathsep}{os.environ['PATH']}"}
+    rc, output, checks = doctor(tmp_path, deployment, "--json", "--skip-worker", env=env)
+    assert rc == 1, output
+    accounting = checks["scheduler-accounting"]
+    assert accounting["status"] == "FAIL", accounting
+    assert "Slurm accounting does not answer" in accounting["found"]
+    assert "Slurm accounting storage is disabled" in accounting["found"]
+    # ... and why it matters: ended jobs cannot be judged, reconciliation stops.
+    assert "'sacct failed'" in accounting["found"] and "never answered" in accounting["found"]
+    assert "slurmdbd" in accounting["fix"] and "AccountingStorageType" in accounting["fix"]
+    assert checks["scheduler"]["status"] == "ok"  # slurmctld itself answers
+    assert [name for name, c in checks.items() if c["status"] == "FAIL"] == ["scheduler-accounting"]
 
 
 def test_spool_unusable(tmp_path: Path, deployment: dict[str, str]) -> None:
@@ -268,6 +293,8 @@ def test_healthy_grid_engine_deployment_passes(tmp_path: Path, deployment: dict[
     assert scheduler["status"] == "ok" and scheduler["found"].startswith("Grid Engine answers: "), scheduler
     assert "all.q: " in scheduler["found"] and " slots used" in scheduler["found"], scheduler  # from qstat -g c
     assert checks["template"]["status"] == "ok" and "Grid Engine batch script renders" in checks["template"]["found"]
+    accounting = checks["scheduler-accounting"]
+    assert accounting["status"] == "ok" and "qacct answers" in accounting["found"], accounting
 
 
 def _hanging_qstat(tmp_path: Path) -> dict[str, str]:
@@ -306,3 +333,4 @@ def test_grid_engine_not_answering(tmp_path: Path, deployment: dict[str, str], h
     assert "HPC_SCHEDULER_TIMEOUT" in scheduler["fix"]
     # Only the scheduler failed: the rest of the deployment is judged as healthy.
     assert [name for name, c in checks.items() if c["status"] == "FAIL"] == ["scheduler"]
+    assert checks["scheduler-accounting"]["status"] == "skip"  # qacct needs the cell that was not found

@@ -1,10 +1,12 @@
 """The Grid Engine backend: rendered script (golden file), validation, state table, qacct rules,
-submit-error classification (fake commands), then real jobs on the local Grid Engine
-(deploy/dev/gridengine.sh up; skipped only where qsub is not installed)."""
+submit-error classification and only our jobs (fake commands), then real jobs on the local Grid
+Engine (deploy/dev/gridengine.sh up; it fails, never skips, when that is down): among them another
+user's jobs named like ours, an array job, and a held job's pending reason."""
 
 from __future__ import annotations
 
 import os
+import pwd
 import stat
 import subprocess
 import time
@@ -17,7 +19,8 @@ import pytest
 
 from bridge.errors import SchedulerRejected, SchedulerUnavailable
 from bridge.schedulers import BACKENDS, GridEngineScheduler, JobInfo, JobSpec, JobState, get_scheduler
-from bridge.schedulers.gridengine import STATE_TABLE, accounting_info, parse_qacct, translate
+from bridge.schedulers.gridengine import STATE_TABLE, accounting_info, parse_job_details, parse_qacct, translate
+from bridge.shell import run_command
 
 GOLDEN = Path(__file__).parent / "golden" / "gridengine_job.sh"
 
@@ -402,17 +405,12 @@ def test_query_prefers_the_queue_then_the_last_accounting_record(
         monkeypatch,
         "qstat",
         f'case "$1" in\n-xml) cat "{tmp_path}/qstat.xml";;\n'
-        "-j) echo 'error reason          1:      11/26/2026 02:58:30 [110:12525]: exit_status of job start = 100';;\n"
+        "-j) echo '=============================================================='; echo 'job_number:     19';"
+        " echo 'error reason          1:      11/26/2026 02:58:30 [110:12525]: exit_status of job start = 100';;\n"
         "esac\n",
     )
-    _fake(
-        tmp_path,
-        monkeypatch,
-        "qacct",
-        f'[ -f "{tmp_path}/qacct.$2" ] && exec cat "{tmp_path}/qacct.$2"\n'
-        'echo "error: job id $2 not found" >&2\nexit 1\n',
-    )
-    ge = GridEngineScheduler()
+    _fake_qacct(tmp_path, monkeypatch)
+    ge = GridEngineScheduler(user="root")
     found = ge.query(["19", "21", "22", "23"])
     assert found["21"] == JobInfo("21", JobState.RUNNING, "r", source="queue")  # live wins over accounting
     assert found["19"].state is JobState.ERROR
@@ -423,6 +421,18 @@ def test_query_prefers_the_queue_then_the_last_accounting_record(
     assert found["23"].state is JobState.REQUEUED and found["23"].source == "accounting"
     assert ge.query([]) == {}
     assert ge.find_by_name("rodan-a") == ["5", "19", "21"]
+
+
+def _fake_qacct(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """qacct printing the file qacct.JOB (JOB: its last argument), else "not found"; it records its arguments."""
+    _fake(
+        tmp_path,
+        monkeypatch,
+        "qacct",
+        f'echo "$*" >> "{tmp_path}/qacct.calls"\nfor last; do :; done\n'
+        f'[ -f "{tmp_path}/qacct.$last" ] && exec cat "{tmp_path}/qacct.$last"\n'
+        'echo "error: job id $last not found" >&2\nexit 1\n',
+    )
 
 
 def test_no_jobs_and_no_accounting_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -448,6 +458,95 @@ def test_qmaster_down_for_queries_ping_and_cancel(tmp_path: Path, monkeypatch: p
 def test_cancel_of_a_job_that_is_gone_is_fine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _fake(tmp_path, monkeypatch, "qdel", "echo 'denied: job \"99999\" does not exist' >&2\nexit 1\n")
     GridEngineScheduler().cancel("99999")
+
+
+def _job(number: str, name: str, owner: str, state: str = "qw", tasks: str = "") -> str:
+    extra = f"<tasks>{tasks}</tasks>" if tasks else ""
+    return (
+        f"<job_list state='pending'><JB_job_number>{number}</JB_job_number><JB_name>{name}</JB_name>"
+        f"<JB_owner>{owner}</JB_owner><state>{state}</state>{extra}</job_list>"
+    )
+
+
+def test_only_our_jobs_are_read_adopted_or_deleted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    jobs = [
+        _job("30", "rodan-a", "other"),  # another user's, named like ours (qstat -u ignored by a fake)
+        _job("31", "rodan-a", "hpcbt", "hqw"),
+        _job("32", "rodan-a", "hpcbt", tasks="1-2:1"),  # an array job: never one the bridge submitted
+        _job("3x", "rodan-a", "hpcbt"),
+        _job("", "rodan-a", "hpcbt"),
+        _job("\u0663", "rodan-a", "hpcbt"),  # a digit, but not an ASCII one
+    ]
+    (tmp_path / "qstat.xml").write_text(
+        f"<?xml version='1.0'?><job_info><job_info>{''.join(jobs)}</job_info></job_info>"
+    )
+    records = (
+        qacct_record("40", "0    ", "0", "1s").replace("rodan-x", "rodan-a").replace("root", "other")
+        + qacct_record("41", "0    ", "0", "1s").replace("rodan-x", "rodan-a").replace("root", "hpcbt")
+        + qacct_record("42", "0    ", "0", "1s")
+        .replace("rodan-x", "rodan-a")
+        .replace("root", "hpcbt")
+        .replace("taskid       undefined", "taskid       1")
+    )
+    for key in ("rodan-a", "40", "41", "42"):
+        (tmp_path / f"qacct.{key}").write_text(records)
+    calls = tmp_path / "calls.txt"
+    _fake(
+        tmp_path,
+        monkeypatch,
+        "qstat",
+        f'echo "qstat $*" >> "{calls}"\n'
+        f'case "$1" in\n-xml) cat "{tmp_path}/qstat.xml";;\n'
+        "-j) printf '==========\\njob_number:  31\\nscheduling info:   Job is in hold state\\n';;\nesac\n",
+    )
+    _fake_qacct(tmp_path, monkeypatch)
+    _fake(tmp_path, monkeypatch, "qdel", f'echo "qdel $*" >> "{calls}"\n')
+    ge = GridEngineScheduler(user="hpcbt")
+    assert ge.find_by_name("rodan-a") == ["31", "41"]
+    found = ge.query(["30", "31", "32", "40", "41", "42", "3x", ""])
+    assert sorted(found) == ["31", "41"]
+    assert found["31"] == JobInfo("31", JobState.PENDING, "hqw", source="queue", reason="Job is in hold state")
+    assert found["41"].state is JobState.COMPLETED
+    ge.cancel("30")  # another user's: qstat -u hpcbt would not list it, and qdel must not get it
+    ge.cancel("32")  # an array job
+    ge.cancel("41")  # ended
+    ge.cancel("31")  # ours, live: deleted
+    lines = calls.read_text().splitlines()
+    assert [line for line in lines if line.startswith("qdel")] == ["qdel 31"]
+    assert all(line == "qstat -xml -u hpcbt" for line in lines if line.startswith("qstat -xml"))
+    assert all(line.startswith("-o hpcbt -j ") for line in (tmp_path / "qacct.calls").read_text().splitlines())
+
+
+def test_qstat_j_details_and_pending_reasons() -> None:
+    text = """==============================================================
+job_number:                 12
+owner:                      root
+error reason          1:      11/26/2026 02:58:30 [110:12525]: exit_status of job start = 100
+scheduling info:            queue instance "all.q@vm" dropped because it is full
+                            (-l gpu=3) cannot run at host "vm" because it offers only hc:gpu=2.000000
+
+==============================================================
+job_number:                 13
+scheduling info:            (Collecting of scheduler job information is turned off)
+"""
+    details = parse_job_details(text)
+    assert details["12"]["error reason"].endswith("exit_status of job start = 100")
+    assert details["12"]["scheduling info"] == (
+        'queue instance "all.q@vm" dropped because it is full; '
+        '(-l gpu=3) cannot run at host "vm" because it offers only hc:gpu=2.000000'
+    )
+    assert details["13"]["scheduling info"].startswith("(Collecting")
+    assert parse_job_details("") == {} and parse_job_details("garbage\n\xff\n   indented\n") == {}
+
+
+def test_odd_qstat_output_never_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake(tmp_path, monkeypatch, "qstat", "printf '<job_info><job_list><JB_job_number>\\377</JB_job_number>'\n")
+    with pytest.raises(SchedulerUnavailable, match="unreadable XML"):
+        GridEngineScheduler(user="hpcbt").query(["5"])
+    _fake(tmp_path, monkeypatch, "qstat", "printf '\\377\\376 garbage\\n'\n")
+    _fake(tmp_path, monkeypatch, "qacct", "printf 'jobnumber \\377\\n'\nexit 1\n")
+    with pytest.raises(SchedulerUnavailable):
+        GridEngineScheduler(user="hpcbt").find_by_name("rodan-a")
 
 
 # --- the real Grid Engine --------------------------------------------------------------------------
@@ -641,3 +740,111 @@ def test_real_time_limit_ends_as_timeout(ge: GridEngineScheduler, time_limited: 
         "137",
     )
     assert info.elapsed >= "00:01:00"
+
+
+# --- the real Grid Engine: only our jobs ----------------------------------------------------------
+
+OTHER_USER = os.environ.get("HPC_DEV_OTHER_USER", "hpcother")
+
+
+@pytest.fixture(scope="module")
+def other_user(gridengine: None) -> str:
+    """A second unix user who may submit jobs (deploy/dev/gridengine.sh up creates it). Fails, never skips."""
+    try:
+        pwd.getpwnam(OTHER_USER)
+    except KeyError:
+        pytest.fail(
+            f"no unix user {OTHER_USER!r} to submit another user's jobs: run 'bash deploy/dev/setup.sh' "
+            "(or 'bash deploy/dev/gridengine.sh up'), which creates it"
+        )
+    return OTHER_USER
+
+
+@pytest.fixture
+def leftovers() -> Iterator[list[str]]:
+    """Job ids to delete (as root, a manager: whoever owns them) after the test."""
+    ids: list[str] = []
+    yield ids
+    if ids:
+        subprocess.run(["qdel", *ids], capture_output=True, timeout=60)
+
+
+def _qsub_as(user: str | None, name: str, *args: str) -> str:
+    """``qsub`` of a job that does nothing, run by ``user`` (runuser) or by us; returns its id."""
+    as_user = ["runuser", "-u", user, "--"] if user else []
+    qsub = ["qsub", "-terse", "-N", name, "-b", "y", "-o", "/dev/null", "-j", "y", "-wd", "/", *args, "/bin/true"]
+    return run_command([*as_user, *qsub], timeout=60).stdout.strip().split(".")[0]
+
+
+def _raw_live(job_id: str) -> str:
+    """The job's state letters as root sees it (any user's job), or "" when qstat does not list it."""
+    out = subprocess.run(["qstat", "-u", "*"], capture_output=True, text=True, timeout=30).stdout
+    for line in out.splitlines():
+        words = line.split()
+        if words[:1] == [job_id]:
+            return words[4]
+    return ""
+
+
+def _accounted(job_id: str, timeout: float = 120) -> None:
+    """Wait until qacct (any user's records) has the job."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = subprocess.run(["qacct", "-j", job_id], capture_output=True, text=True, timeout=30).stdout
+        if any(line.split() == ["jobnumber", job_id] for line in out.splitlines()):
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"job {job_id} not in accounting after {timeout:g} s")
+
+
+def submit_held(ge: GridEngineScheduler, tmp_path: Path, name: str) -> str:
+    job = real_spec(tmp_path, "true", name=name, extra_args=("-h",))
+    script = tmp_path / f"{uuid.uuid4().hex[:8]}.sh"
+    script.write_text(ge.render(job))
+    return ge.submit(script, job)
+
+
+@pytest.mark.gridengine
+def test_real_another_users_jobs_are_never_ours(
+    ge: GridEngineScheduler, other_user: str, leftovers: list[str], tmp_path: Path
+) -> None:
+    name = f"rodan-hpcbt-{uuid.uuid4().hex[:12]}"
+    theirs_held = _qsub_as(other_user, name, "-h")
+    leftovers.append(theirs_held)
+    theirs_done = _qsub_as(other_user, name)
+    leftovers.append(theirs_done)
+    ours = submit_held(ge, tmp_path, name)
+    leftovers.append(ours)
+    _accounted(theirs_done)
+
+    assert ge.find_by_name(name) == [ours]
+    found = ge.query([theirs_held, theirs_done, ours])
+    assert list(found) == [ours] and found[ours].state is JobState.PENDING
+
+    ge.cancel(theirs_held)
+    assert _raw_live(theirs_held) == "hqw"  # still there: not ours to delete
+    ge.cancel(ours)
+    assert _raw_live(ours) == ""
+
+
+@pytest.mark.gridengine
+def test_real_array_job_of_ours_is_not_adopted(ge: GridEngineScheduler, leftovers: list[str], tmp_path: Path) -> None:
+    name = f"rodan-hpcbt-{uuid.uuid4().hex[:12]}"
+    array = _qsub_as(None, name, "-h", "-t", "1-2")
+    leftovers.append(array)
+    plain = submit_held(ge, tmp_path, name)
+    leftovers.append(plain)
+    assert _raw_live(array) == "hqw"
+    assert ge.find_by_name(name) == [plain]
+    assert list(ge.query([array, plain])) == [plain]
+
+
+@pytest.mark.gridengine
+def test_real_held_job_says_why_it_waits(ge: GridEngineScheduler, leftovers: list[str], tmp_path: Path) -> None:
+    job_id = submit_held(ge, tmp_path, f"rodan-hpcbt-{uuid.uuid4().hex[:12]}")
+    leftovers.append(job_id)
+    # The scheduler writes a job's scheduling info on its next run (schedule_interval: 1 s here).
+    info = wait_for(ge, job_id, lambda i: bool(i.reason))
+    assert (info.state, info.native_state, info.source) == (JobState.PENDING, "hqw", "queue")
+    assert info.reason == "Job is in hold state"
+    assert ge.check_accounting() == "qacct answers"

@@ -30,7 +30,7 @@ from bridge.errors import ConfigError, PermanentError, RodanAuthError, Scheduler
 from bridge.logs import configure_logging, register_secret
 from bridge.protocol import TrainingSettings
 from bridge.rodan import RodanClient
-from bridge.schedulers import JobSpec, get_scheduler
+from bridge.schedulers import JobSpec, Scheduler, get_scheduler
 from bridge.schedulers.base import scrubbed_environment
 from bridge.shell import CommandError, CommandNotFound, CommandTimeout, run_command
 from bridge.spool import fsync_dir
@@ -128,7 +128,16 @@ def diagnose(
     checks.append(check)
     if config is None:
         why = "the configuration did not load"
-        for name in ("broker", "queues", "rodan", "scheduler-commands", "scheduler", "spool", "spool-shared"):
+        for name in (
+            "broker",
+            "queues",
+            "rodan",
+            "scheduler-commands",
+            "scheduler",
+            "scheduler-accounting",
+            "spool",
+            "spool-shared",
+        ):
             checks.append(skip(name, why))
         checks.append(skip("template", why))
         checks.append(skip("worker", why))
@@ -387,10 +396,19 @@ def _generation_from(text: str) -> str:
 # --- 5. scheduler ------------------------------------------------------------------------------
 
 
+def _scheduler(config: BridgeConfig) -> Scheduler:
+    return get_scheduler(
+        config.scheduler,
+        timeout_s=config.scheduler_timeout_s,
+        options=config.scheduler_options,
+        scheduler_args=config.scheduler_args,
+    )
+
+
 def check_scheduler(config: BridgeConfig) -> list[Check]:
     wanted = SCHEDULER_COMMANDS[config.scheduler]
     missing = [c for c in wanted if shutil.which(c) is None]
-    scheduler = get_scheduler(config.scheduler, timeout_s=config.scheduler_timeout_s, options=config.scheduler_options)
+    scheduler = _scheduler(config)
     label = scheduler.display_name
     if missing:
         commands = fail(
@@ -412,16 +430,48 @@ def check_scheduler(config: BridgeConfig) -> list[Check]:
             else ", and that SGE_ROOT, SGE_CELL and SGE_QMASTER_PORT are the cell's (source its settings.sh in "
             "the cron/systemd environment)"
         )
-        return [
-            commands,
-            fail(
-                "scheduler",
-                f"{label} is not answering: {exc}",
-                f"check that {controller} runs and this node reaches it{found_by}; if it is only slow, raise "
-                f"HPC_SCHEDULER_TIMEOUT (now {config.scheduler_timeout_s:g} s)",
-            ),
-        ]
-    return [commands, ok("scheduler", f"{label} answers: {scheduler.clean(answer)}")]
+        answered = fail(
+            "scheduler",
+            f"{label} is not answering: {exc}",
+            f"check that {controller} runs and this node reaches it{found_by}; if it is only slow, raise "
+            f"HPC_SCHEDULER_TIMEOUT (now {config.scheduler_timeout_s:g} s)",
+        )
+    else:
+        answered = ok("scheduler", f"{label} answers: {scheduler.clean(answer)}")
+    return [commands, answered, check_accounting(config, scheduler, answered)]
+
+
+def check_accounting(config: BridgeConfig, scheduler: Scheduler, answered: Check) -> Check:
+    """The accounting that judges a job once it has left the live queue.
+
+    Without it, the query of every pass fails as soon as one watched job has left the queue (Slurm:
+    MinJobAge, 300 s by default, after it ends), so reconciliation stops as a whole: no job that ended
+    without a reply is judged, and its Rodan task waits, for as long as accounting does not answer.
+    """
+    name = "scheduler-accounting"
+    label = scheduler.display_name
+    command = "sacct" if config.scheduler == "slurm" else "qacct"
+    if shutil.which(command) is None:
+        return skip(name, f"{command} is not on PATH (see scheduler-commands)")
+    if config.scheduler != "slurm" and answered.status != "ok":
+        return skip(name, f"{label} is not answering (see scheduler)")  # qacct needs the same cell settings
+    why = (
+        "a job that has left the queue can only be judged from accounting: while it does not answer, every "
+        f"reconcile pass stops ('{command} failed' in the log) and a request whose job ended without a reply "
+        "is never answered"
+    )
+    try:
+        answer = scheduler.check_accounting()
+    except SchedulerUnavailable as exc:
+        if config.scheduler == "slurm":
+            fix = (
+                "Slurm needs accounting through slurmdbd (AccountingStorageType=accounting_storage/slurmdbd in "
+                "slurm.conf, slurmdbd running and reachable from this node); ask your site's administrators"
+            )
+        else:
+            fix = "make the cell's accounting file readable here (qacct reads $SGE_ROOT/$SGE_CELL/common/accounting)"
+        return fail(name, f"{label} accounting does not answer ({exc}): {why}", fix)
+    return ok(name, f"{label} accounting answers ({answer}): ended jobs can be judged")
 
 
 # --- 6. spool ----------------------------------------------------------------------------------
@@ -542,7 +592,7 @@ def check_template(config: BridgeConfig) -> Check:
         workdir=job_dir,
         command=(config.worker_python, "-m", "worker", "run", str(config.spool_dir / "params" / f"{key}.json")),
     )
-    scheduler = get_scheduler(config.scheduler, timeout_s=config.scheduler_timeout_s, options=config.scheduler_options)
+    scheduler = _scheduler(config)
     try:
         script = scheduler.render(spec)
     except (ValueError, KeyError) as exc:

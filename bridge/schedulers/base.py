@@ -9,6 +9,7 @@ query and cancel, and a translation table from its own state names to
 from __future__ import annotations
 
 import os
+import pwd
 import re
 import shlex
 from abc import ABC, abstractmethod
@@ -78,6 +79,16 @@ class JobInfo:
     exit_code: str = ""
     elapsed: str = ""
     source: str = ""  # "queue" (live) or "accounting"
+    reason: str = ""  # why a PENDING job waits, in the scheduler's words (one line, <= REASON_CHARS); else ""
+
+
+#: The longest pending reason kept in a :class:`JobInfo`.
+REASON_CHARS = 300
+
+
+def one_line(text: str, limit: int = REASON_CHARS) -> str:
+    """``text`` as one line of at most ``limit`` characters (white space runs squeezed to one space)."""
+    return " ".join(text.split())[:limit]
 
 
 @dataclass(frozen=True)
@@ -189,6 +200,29 @@ def render_environment(spec: JobSpec, scheduler: str) -> str:
     return "\n".join(lines)
 
 
+# A user name as it goes on a scheduler command line (--user=NAME, -u NAME, -o NAME): never an option.
+_USER_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.@-]*")
+
+
+def current_user() -> str:
+    """The effective user's name (its uid as digits where the password database has no entry)."""
+    uid = os.geteuid()
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def plain_job_id(text: str) -> str:
+    """``text`` stripped when it is a plain job id (ASCII digits only), else "".
+
+    Array tasks (Slurm ``123_1``, ``123_[0-1]``; Grid Engine ``123.1``), heterogeneous job parts
+    (``123+0``), job steps (``123.batch``) and garbage are never one of the bridge's jobs.
+    """
+    word = text.strip()
+    return word if word.isascii() and word.isdigit() else ""
+
+
 def scrubbed_environment() -> dict[str, str]:
     """The environment for scheduler commands, without any credential variables."""
     return {k: v for k, v in os.environ.items() if not k.startswith(_SECRET_ENV_PREFIXES)}
@@ -200,6 +234,10 @@ class Scheduler(ABC):
     ``job_id_variable`` is the environment variable in which a running job finds its own
     id; ``log_name`` is the job's output file inside ``JobSpec.log_dir`` in the
     scheduler's own pattern, with ``log_name_id`` standing for the job id.
+
+    Only our jobs: every lookup (query, find_by_name) and every cancel is restricted to the jobs
+    of ``user``, the effective user of this process unless given (tests). Job names are public,
+    so another user's job named like one of ours must never be adopted, read or cancelled.
     """
 
     name: str
@@ -212,8 +250,17 @@ class Scheduler(ABC):
     #: Words in the submit command's output that no retry can fix: the request is refused for good.
     permanent_submit_errors: tuple[str, ...] = ()
 
-    def __init__(self, *, timeout_s: float = 60.0) -> None:
+    def __init__(self, *, timeout_s: float = 60.0, user: str | None = None) -> None:
         self.timeout_s = timeout_s
+        self.user = current_user() if user is None else user
+        if not _USER_NAME.fullmatch(self.user):
+            raise ValueError(f"refusing unsafe value for the scheduler user: {self.user!r}")
+
+    @classmethod
+    def lookup_options(cls, scheduler_args: Sequence[str]) -> dict[str, Any]:
+        """Constructor keywords derived from ``HPC_SCHEDULER_ARGS`` (the submit command's extra
+        arguments) that every other command of this backend needs too; none by default."""
+        return {}
 
     # --- rendering -----------------------------------------------------------
     def template(self) -> Template:
@@ -249,14 +296,17 @@ class Scheduler(ABC):
 
     @abstractmethod
     def query(self, job_ids: Sequence[str]) -> Mapping[str, JobInfo]:
-        """States of the given jobs; a job the scheduler does not know is absent from the result."""
+        """States of the given jobs of ours; a job the scheduler does not know, or another user's, is
+        absent from the result. A PENDING job's ``reason`` says why it waits, where the scheduler says."""
 
     @abstractmethod
     def find_by_name(self, name: str) -> list[str]:
-        """Ids of jobs with this name (live or in accounting): dedupe after a crash."""
+        """Ids (plain digits, ascending) of our jobs with this name, live or in accounting: dedupe
+        after a crash. Array jobs and other users' jobs are never among them."""
 
     @abstractmethod
-    def cancel(self, job_id: str) -> None: ...
+    def cancel(self, job_id: str) -> None:
+        """Cancel job ``job_id`` if it is ours and has not ended; another user's job is left alone."""
 
     def continue_job(self, job_id: str, script: Path, spec: JobSpec) -> str:
         """Run the job ``spec`` (rendered as ``script``) again once job ``job_id`` has ended.
@@ -272,6 +322,11 @@ class Scheduler(ABC):
 
     def ping(self) -> str:
         """A one-line description of the cluster; raises SchedulerUnavailable."""
+        raise NotImplementedError
+
+    def check_accounting(self) -> str:
+        """Whether the accounting that :meth:`query` reads for ended jobs answers (a one-line
+        description); raises SchedulerUnavailable, with the scheduler's words, when it does not."""
         raise NotImplementedError
 
     def clean(self, message: str) -> str:

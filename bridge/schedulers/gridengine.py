@@ -1,5 +1,10 @@
 """Grid Engine (SGE 8.1 / Son of Grid Engine): qsub / qstat / qacct / qdel.
 
+Only our jobs: qstat lists ``-u USER`` (and each job's ``JB_owner`` is checked), qacct reads
+``-o USER`` records (and each record's ``owner`` is checked), and qdel is only given a job that
+qstat lists as ours: root is a Grid Engine manager, whose qdel would delete anyone's job.
+Array jobs (``tasks``) are never ours: the bridge submits none.
+
 Measured behaviour this module relies on is in ``/work/shared/notes/gridengine-single-node.md``.
 """
 
@@ -11,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from bridge.errors import SchedulerUnavailable
-from bridge.schedulers.base import JobInfo, JobSpec, JobState, Scheduler, directive_value
+from bridge.schedulers.base import JobInfo, JobSpec, JobState, Scheduler, directive_value, one_line, plain_job_id
 
 # qstat's state letters -> JobState. Any other state that holds an "E" (Eqw, Ehqw, ...) is ERROR:
 # the job is parked in an error state and never runs unless an operator clears it (qmod -cj).
@@ -140,9 +145,15 @@ class GridEngineScheduler(Scheduler):
     permanent_submit_errors = PERMANENT_SUBMIT_ERRORS
 
     def __init__(
-        self, *, timeout_s: float = 60.0, pe: str = "smp", gpu_resource: str = "gpu", memory_resource: str = "mem_free"
+        self,
+        *,
+        timeout_s: float = 60.0,
+        user: str | None = None,
+        pe: str = "smp",
+        gpu_resource: str = "gpu",
+        memory_resource: str = "mem_free",
     ) -> None:
-        super().__init__(timeout_s=timeout_s)
+        super().__init__(timeout_s=timeout_s, user=user)
         settings = {"HPC_SGE_PE": pe, "HPC_SGE_GPU_RESOURCE": gpu_resource, "HPC_SGE_MEMORY_RESOURCE": memory_resource}
         for what, value in settings.items():
             if not _RESOURCE.match(directive_value(what, value)):
@@ -192,27 +203,33 @@ class GridEngineScheduler(Scheduler):
     def submit(self, script: Path, spec: JobSpec) -> str:
         result = self._submit_command(["qsub", "-terse", *spec.extra_args, str(script)])
         for line in result.stdout.splitlines():
-            job_id = line.strip().split(".")[0]  # an array job prints N.1-3:1
-            if job_id.isdigit():
+            job_id = plain_job_id(line.strip().split(".")[0])  # an array job prints N.1-3:1
+            if job_id:
                 return job_id
-        raise SchedulerUnavailable(f"qsub printed no job id: {result.stdout!r}")
+        raise SchedulerUnavailable(f"qsub printed no job id: {result.stdout[:200]!r}")
 
     def query(self, job_ids: Sequence[str]) -> Mapping[str, JobInfo]:
         found: dict[str, JobInfo] = {}
-        if not job_ids:
+        ids = {plain_job_id(j) for j in job_ids} - {""}  # anything else is never ours
+        if not ids:
             return found
         for jid, _, native in self._live():
-            if jid in job_ids and jid not in found:
-                state = translate(native)
-                if state is JobState.ERROR:
-                    native = f"{native}: {self._error_reason(jid)}".rstrip(": ")
-                found[jid] = JobInfo(jid, state, native, source="queue")
+            if jid in ids and jid not in found:
+                found[jid] = JobInfo(jid, translate(native), native, source="queue")
+        # Why a job waits (PENDING: scheduling info) or is stuck (ERROR: error reason): one qstat -j.
+        asked = sorted((j for j, i in found.items() if i.state in (JobState.PENDING, JobState.ERROR)), key=int)
+        details = self._details(asked) if asked else {}
+        for jid in asked:
+            info, detail = found[jid], details.get(jid, {})
+            if info.state is JobState.ERROR:
+                native = f"{info.native_state}: {one_line(detail.get('error reason', ''))}".rstrip(": ")
+                found[jid] = JobInfo(jid, info.state, native, source="queue")
+            else:
+                found[jid] = JobInfo(jid, info.state, info.native_state, source="queue", reason=_pending(detail))
         # Jobs that have left the queue: the last accounting record (a restarted job has several).
-        for jid in job_ids:
-            if jid in found or not jid.isdigit():
-                continue
-            acct = self._run(["qacct", "-j", jid], check=False)
-            records = [r for r in parse_qacct(acct.stdout) if r.get("jobnumber") == jid]
+        for jid in sorted(ids - set(found), key=int):
+            acct = self._run(["qacct", "-o", self.user, "-j", jid], check=False)
+            records = [r for r in self._own_records(acct.stdout) if r.get("jobnumber") == jid]
             if records:
                 found[jid] = accounting_info(jid, records[-1])
             elif acct.returncode != 0 and not _no_record(acct.stdout + acct.stderr):
@@ -223,12 +240,15 @@ class GridEngineScheduler(Scheduler):
     def find_by_name(self, name: str) -> list[str]:
         ge_name("job name", name)
         ids = {jid for jid, job_name, _ in self._live() if job_name == name}
-        acct = self._run(["qacct", "-j", name], check=False)
-        ids.update(r["jobnumber"] for r in parse_qacct(acct.stdout) if r.get("jobname") == name and "jobnumber" in r)
-        return sorted((i for i in ids if i.isdigit()), key=int)
+        acct = self._run(["qacct", "-o", self.user, "-j", name], check=False)
+        ids.update(r.get("jobnumber", "") for r in self._own_records(acct.stdout) if r.get("jobname") == name)
+        return sorted((i for i in ids if plain_job_id(i)), key=int)
 
     def cancel(self, job_id: str) -> None:
-        result = self._run(["qdel", _job_id("job id", job_id)], check=False)
+        job_id = _job_id("job id", job_id)
+        if job_id not in {jid for jid, _, _ in self._live()}:
+            return  # ended, never existed, or another user's: nothing of ours to delete
+        result = self._run(["qdel", job_id], check=False)
         if result.returncode != 0 and "does not exist" not in result.stdout + result.stderr:
             raise SchedulerUnavailable(f"qdel failed: {self.clean(result.stdout + result.stderr)}")
 
@@ -239,9 +259,17 @@ class GridEngineScheduler(Scheduler):
         rows = [ln.split() for ln in result.stdout.splitlines()[2:] if len(ln.split()) >= 6]
         return "; ".join(f"{r[0]}: {r[2]} of {r[5]} slots used" for r in rows) or "no cluster queues"
 
+    def check_accounting(self) -> str:
+        """qacct reads the cell's accounting file: "no such job" is an answer, anything else is not."""
+        result = self._run(["qacct", "-o", self.user, "-j", "1"], check=False)
+        output = result.stdout + result.stderr
+        if result.returncode != 0 and not _no_record(output):
+            raise SchedulerUnavailable(f"qacct: {self.clean(output) or f'exit {result.returncode}'}")
+        return "qacct answers"
+
     def _live(self) -> list[tuple[str, str, str]]:
-        """(id, name, state letters) of every job qstat knows, any user's."""
-        result = self._run(["qstat", "-xml", "-u", "*"], check=False)
+        """(id, name, state letters) of every live job of ours that is not an array job."""
+        result = self._run(["qstat", "-xml", "-u", self.user], check=False)
         if result.returncode != 0:
             raise SchedulerUnavailable(f"qstat failed: {self.clean(result.stdout + result.stderr)}")
         if not result.stdout.strip():
@@ -250,18 +278,62 @@ class GridEngineScheduler(Scheduler):
             root = ET.fromstring(result.stdout)  # noqa: S314 - the output of our own qstat, not remote input
         except ET.ParseError as exc:
             raise SchedulerUnavailable(f"qstat printed unreadable XML: {exc}") from exc
+        jobs = []
+        for job in root.iter("job_list"):
+            jid = plain_job_id(job.findtext("JB_job_number") or "")
+            owner = (job.findtext("JB_owner") or "").strip()
+            if jid and owner == self.user and job.find("tasks") is None:
+                jobs.append((jid, job.findtext("JB_name") or "", (job.findtext("state") or "").strip()))
+        return jobs
+
+    def _own_records(self, qacct_output: str) -> list[dict[str, str]]:
+        """qacct records of our own jobs, array tasks left out."""
         return [
-            (job.findtext("JB_job_number", "").strip(), job.findtext("JB_name", ""), job.findtext("state", ""))
-            for job in root.iter("job_list")
+            r
+            for r in parse_qacct(qacct_output)
+            if r.get("owner") == self.user and r.get("taskid", "undefined") == "undefined"
         ]
 
-    def _error_reason(self, job_id: str) -> str:
-        """The ``error reason`` of a job in an error state (``qstat -j``), or ''."""
-        result = self._run(["qstat", "-j", job_id], check=False)
-        for line in result.stdout.splitlines():
-            if line.startswith("error reason"):
-                return line.partition(":")[2].strip()[:300]
+    def _details(self, job_ids: Sequence[str]) -> dict[str, dict[str, str]]:
+        """``qstat -j ID,...``: job id -> its fields (``scheduling info``, ``error reason``), best effort.
+
+        A job that left the queue meanwhile is missing from the answer; a failing qstat gives {}.
+        """
+        result = self._run(["qstat", "-j", ",".join(job_ids)], check=False)
+        return parse_job_details(result.stdout)
+
+
+def parse_job_details(text: str) -> dict[str, dict[str, str]]:
+    """``qstat -j`` output -> job number -> field -> value; continuation lines (indented) are
+    joined to their field with "; ". ``error reason    1:`` is read as ``error reason``."""
+    jobs: dict[str, dict[str, str]] = {}
+    current: dict[str, str] | None = None
+    key = ""
+    for line in text.splitlines():
+        if line.startswith("====="):
+            current, key = None, ""
+            continue
+        if line[:1].isspace():
+            if current is not None and key and line.strip():
+                current[key] = f"{current[key]}; {line.strip()}" if current[key] else line.strip()
+            continue
+        name, sep, value = line.partition(":")
+        if not sep:
+            continue
+        key = " ".join(name.split()[:2]) if name.startswith("error reason") else name.strip()
+        if key == "job_number":
+            current = jobs.setdefault(value.strip(), {})
+        if current is not None and key not in current:
+            current[key] = value.strip()
+    return jobs
+
+
+def _pending(detail: Mapping[str, str]) -> str:
+    """A waiting job's reason, from its ``scheduling info`` (none when the scheduler keeps none)."""
+    info = detail.get("scheduling info", "")
+    if "turned off" in info or "Collecting of scheduler job information" in info:
         return ""
+    return one_line(info)
 
 
 def _job_id(what: str, value: str) -> str:

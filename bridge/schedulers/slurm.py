@@ -1,13 +1,26 @@
-"""Slurm: sbatch / squeue / sacct / scancel."""
+"""Slurm: sbatch / squeue / sacct / scancel.
+
+Only our jobs: squeue, sacct and scancel always carry ``--user=USER`` (the bridge's own user), and a
+cluster chosen in ``HPC_SCHEDULER_ARGS`` (``-M NAME``) reaches every command, not only sbatch.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from bridge.errors import SchedulerUnavailable
 from bridge.protocol import format_duration
-from bridge.schedulers.base import JobInfo, JobSpec, JobState, Scheduler, directive_value
+from bridge.schedulers.base import (
+    JobInfo,
+    JobSpec,
+    JobState,
+    Scheduler,
+    directive_value,
+    one_line,
+    plain_job_id,
+)
 
 # Slurm's state names (squeue %T and sacct State) -> JobState.
 STATE_TABLE: dict[str, JobState] = {
@@ -61,7 +74,37 @@ def translate(native: str) -> JobState:
     return STATE_TABLE.get(word, JobState.MISSING)
 
 
+def slurm_cluster_args(scheduler_args: Sequence[str]) -> tuple[str, ...]:
+    """The cluster selection in sbatch's extra arguments, as ``--clusters=NAME`` options.
+
+    ``-M NAME``, ``-MNAME``, ``--clusters=NAME``, ``--clusters NAME``, ``--cluster=NAME`` and
+    ``--cluster NAME`` are recognised (sbatch takes them all); everything else is left out. A job
+    submitted to another cluster is only seen by squeue, sacct, scancel and scontrol given the same.
+    """
+    found: list[str] = []
+    args = list(scheduler_args)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        value: str | None = None
+        if arg in ("-M", "--clusters", "--cluster"):
+            if i + 1 < len(args):
+                value = args[i + 1]
+                i += 1
+        elif arg.startswith("-M") and not arg.startswith("--"):
+            value = arg[2:]
+        elif arg.startswith(("--clusters=", "--cluster=")):
+            value = arg.partition("=")[2]
+        if value:
+            found.append(f"--clusters={value}")
+        i += 1
+    return tuple(found)
+
+
 class SlurmScheduler(Scheduler):
+    """Slurm. ``cluster_args`` (from :func:`slurm_cluster_args`) go to every command but sbatch,
+    which gets them with the rest of ``JobSpec.extra_args``."""
+
     name = "slurm"
     display_name = "Slurm"
     template_name = "slurm.sh"
@@ -70,6 +113,14 @@ class SlurmScheduler(Scheduler):
     log_name = "job-%j.out"
     log_name_id = "%j"
     permanent_submit_errors = PERMANENT_SUBMIT_ERRORS
+
+    def __init__(self, *, timeout_s: float = 60.0, user: str | None = None, cluster_args: Sequence[str] = ()) -> None:
+        super().__init__(timeout_s=timeout_s, user=user)
+        self.cluster_args = tuple(cluster_args)
+
+    @classmethod
+    def lookup_options(cls, scheduler_args: Sequence[str]) -> dict[str, Any]:
+        return {"cluster_args": slurm_cluster_args(scheduler_args)}
 
     def directives(self, spec: JobSpec) -> list[str]:
         d = [
@@ -99,41 +150,55 @@ class SlurmScheduler(Scheduler):
 
     def submit(self, script: Path, spec: JobSpec) -> str:
         result = self._submit_command(["sbatch", "--parsable", *spec.extra_args, str(script)])
-        job_id = result.stdout.strip().split(";")[0]
-        if not job_id.isdigit():
-            raise SchedulerUnavailable(f"sbatch printed no job id: {result.stdout!r}")
+        job_id = plain_job_id(result.stdout.strip().split(";")[0])  # with -M: "ID;CLUSTER"
+        if not job_id:
+            raise SchedulerUnavailable(f"sbatch printed no job id: {result.stdout[:200]!r}")
         return job_id
 
+    def _command(self, command: str, *args: str, mine: bool = True) -> list[str]:
+        """``command`` with the cluster selection and (``mine``) ``--user=USER``, then ``args``."""
+        return [command, *self.cluster_args, *([f"--user={self.user}"] if mine else []), *args]
+
     def query(self, job_ids: Sequence[str]) -> Mapping[str, JobInfo]:
-        if not job_ids:
+        ids = sorted({plain_job_id(j) for j in job_ids} - {""}, key=int)  # anything else is never ours
+        if not ids:
             return {}
         found: dict[str, JobInfo] = {}
         # Live state first: squeue knows running jobs and recently finished ones (MinJobAge).
-        live = self._run(["squeue", "-h", "-t", "all", "-j", ",".join(job_ids), "-o", "%i|%T"], check=False)
+        live = self._run(self._command("squeue", "-h", "-t", "all", "-j", ",".join(ids), "-o", "%i|%T|%r"), check=False)
         if live.returncode == 0:
             for line in live.stdout.splitlines():
-                jid, _, native = line.strip().partition("|")
-                if jid in job_ids:
-                    found[jid] = JobInfo(jid, translate(native), native, source="queue")
+                jid, _, rest = line.strip().partition("|")
+                native, _, why = rest.partition("|")
+                jid = plain_job_id(jid)
+                if jid not in ids:
+                    continue
+                state = translate(native)
+                reason = one_line(why) if state is JobState.PENDING and why.strip() != "None" else ""
+                found[jid] = JobInfo(jid, state, native.strip(), source="queue", reason=reason)
         elif "Invalid job id" not in live.stderr:
             raise SchedulerUnavailable(f"squeue failed: {self.clean(live.stderr)}")
         # Accounting for finished or forgotten jobs (and exit codes of finished ones).
-        ask = [j for j in job_ids if j not in found or found[j].state.is_terminal]
+        ask = [j for j in ids if j not in found or found[j].state.is_terminal]
         if ask:
             acct = self._run(
-                ["sacct", "-n", "-X", "-P", "-j", ",".join(ask), "-o", "JobIDRaw,State,ExitCode,Elapsed"],
+                self._command(
+                    "sacct", "-n", "-X", "-P", "-j", ",".join(ask), "-o", "JobID,JobIDRaw,State,ExitCode,Elapsed"
+                ),
                 check=False,
             )
             # Accounting unreachable (slurmdbd down): a job that has left the queue is unknown, not
             # missing. Absent from the result it would start the missing clock, and be judged
             # "vanished" after HPC_MISSING_TIMEOUT when only accounting was down.
-            if acct.returncode != 0 and any(j not in found for j in job_ids):
+            if acct.returncode != 0 and any(j not in found for j in ids):
                 raise SchedulerUnavailable(f"sacct failed: {self.clean(acct.stderr)}")
             for line in acct.stdout.splitlines():
                 parts = line.strip().split("|")
-                if len(parts) < 4 or parts[0] not in ask:
+                if len(parts) < 5:
                     continue
-                jid, native, exit_code, elapsed = parts[:4]
+                shown, jid, native, exit_code, elapsed = parts[:5]
+                if plain_job_id(shown) != jid or jid not in ask:  # array tasks, het parts: not ours
+                    continue
                 state = translate(native)
                 live_info = found.get(jid)
                 if live_info is None or state.is_terminal:
@@ -141,14 +206,24 @@ class SlurmScheduler(Scheduler):
         return found
 
     def find_by_name(self, name: str) -> list[str]:
+        name = directive_value("job name", name)
+        if "," in name:  # squeue and sacct would read a list of names
+            raise ValueError(f"refusing unsafe value for job name: {name!r}")
         ids: set[str] = set()
-        live = self._run(["squeue", "-h", "-t", "all", "--name", name, "-o", "%i"], check=False)
+        live = self._run(self._command("squeue", "-h", "-t", "all", "--name", name, "-o", "%i"), check=False)
         if live.returncode != 0:
             raise SchedulerUnavailable(f"squeue failed: {self.clean(live.stderr)}")
-        ids.update(line.strip() for line in live.stdout.splitlines() if line.strip())
-        acct = self._run(["sacct", "-n", "-X", "-P", "--name", name, "-S", "now-30days", "-o", "JobIDRaw"], check=False)
+        ids.update(plain_job_id(line) for line in live.stdout.splitlines())  # 123_[0-1], 123_4: arrays, not ours
+        acct = self._run(
+            self._command("sacct", "-n", "-X", "-P", "--name", name, "-S", "now-30days", "-o", "JobID,JobIDRaw"),
+            check=False,
+        )
         if acct.returncode == 0:
-            ids.update(line.strip() for line in acct.stdout.splitlines() if line.strip())
+            for line in acct.stdout.splitlines():
+                shown, _, raw = line.strip().partition("|")
+                if plain_job_id(shown) == raw.strip():
+                    ids.add(plain_job_id(shown))
+        ids.discard("")
         return sorted(ids, key=int)
 
     def clean(self, message: str) -> str:
@@ -159,18 +234,52 @@ class SlurmScheduler(Scheduler):
 
         Called from inside the job, this ends the calling job's current run.
         """
-        result = self._run(["scontrol", "requeue", job_id], check=False)
+        result = self._run(self._command("scontrol", "requeue", job_id, mine=False), check=False)
         if result.returncode != 0:
             raise SchedulerUnavailable(f"scontrol requeue {job_id} failed: {self.clean(result.stderr)}")
         return job_id
 
     def cancel(self, job_id: str) -> None:
-        result = self._run(["scancel", job_id], check=False)
-        if result.returncode != 0:
-            raise SchedulerUnavailable(f"scancel failed: {self.clean(result.stderr)}")
+        """scancel, only for a job of ours that has not ended: root's scancel would cancel anyone's.
+
+        ``scancel --user=USER ID`` also leaves another user's job alone (exit 0), and exits 1 without a
+        word when no active job of ours has that id: checked with squeue first and again after.
+        """
+        if not plain_job_id(job_id):
+            raise ValueError(f"refusing unsafe value for job id: {job_id!r}")
+        if not self._ours_and_active(job_id):
+            return
+        result = self._run(self._command("scancel", job_id), check=False)
+        if result.returncode != 0 and self._ours_and_active(job_id):
+            raise SchedulerUnavailable(f"scancel failed: {self.clean(result.stderr) or f'exit {result.returncode}'}")
+
+    def _ours_and_active(self, job_id: str) -> bool:
+        """Whether squeue lists job ``job_id`` as ours and not yet ended."""
+        live = self._run(self._command("squeue", "-h", "-t", "all", "-j", job_id, "-o", "%i|%T"), check=False)
+        if live.returncode != 0:
+            if "Invalid job id" in live.stderr:
+                return False
+            raise SchedulerUnavailable(f"squeue failed: {self.clean(live.stderr)}")
+        for line in live.stdout.splitlines():
+            jid, _, native = line.strip().partition("|")
+            if plain_job_id(jid) == job_id and not translate(native).is_terminal:
+                return True
+        return False
 
     def ping(self) -> str:
-        result = self._run(["scontrol", "ping"], check=False)
+        result = self._run(self._command("scontrol", "ping", mine=False), check=False)
         if result.returncode != 0 or "DOWN" in result.stdout:
             raise SchedulerUnavailable(f"slurmctld: {self.clean(result.stdout + result.stderr)}")
         return result.stdout.strip()
+
+    def check_accounting(self) -> str:
+        """Whether sacct answers (slurmdbd reachable, accounting enabled); raises SchedulerUnavailable.
+
+        Without accounting a job that has left squeue (MinJobAge after it ended) cannot be judged:
+        :meth:`query` raises, and reconciliation waits for as long as sacct fails.
+        """
+        result = self._run(self._command("sacct", "-n", "-X", "-P", "-j", "1", "-o", "JobIDRaw"), check=False)
+        output = result.stdout + result.stderr
+        if result.returncode != 0 or "accounting storage is disabled" in output.lower():
+            raise SchedulerUnavailable(f"sacct: {self.clean(output) or f'exit {result.returncode}'}")
+        return "sacct answers"

@@ -48,6 +48,9 @@
 #   HPC_DEV_SGE_MEM_MB    value of the consumable `mem_free` on the host, in MB                  (default 16000)
 #   HPC_DEV_SGE_NOTIFY_S  queue `notify` time: SIGUSR2 -> SIGKILL delay with qsub -notify, seconds (default 10)
 #   HPC_DEV_SGE_PROBE_S   timeout of the final `qsub -sync y` probe, seconds                       (default 60)
+#   HPC_DEV_OTHER_USER    a second unix user (created with useradd when missing; shared with slurm.sh): the
+#                         backend tests submit held jobs as this user to check that only our jobs are seen.
+#                         all.q has user_lists NONE, so it may submit like any user             (default hpcother)
 set -Eeuo pipefail # -E: the ERR trap below also fires inside functions
 
 readonly PROG="gridengine.sh"
@@ -56,6 +59,7 @@ readonly GPUS="${HPC_DEV_SGE_GPUS:-2}"
 readonly MEM_MB="${HPC_DEV_SGE_MEM_MB:-16000}"
 readonly NOTIFY_S="${HPC_DEV_SGE_NOTIFY_S:-10}"
 readonly PROBE_S="${HPC_DEV_SGE_PROBE_S:-60}"
+readonly OTHER_USER="${HPC_DEV_OTHER_USER:-hpcother}"
 
 # The Debian layout. SGE_ROOT/SGE_CELL are exported for the real binaries in /usr/lib/gridengine
 # (the /usr/bin wrappers find them on their own, at ~60 ms per call).
@@ -494,6 +498,7 @@ cmd_up() {
   configure_pe
   configure_queue
   start_daemon sge_execd "$SPOOL/execd/*/messages"
+  ensure_other_user "$OTHER_USER"
   probe
   say "up: Grid Engine ready on $HOST ($CHANGES changes)"
 }

@@ -3,7 +3,10 @@
 #   - a virtualenv in .venv with the project, the worker extra (TensorFlow CPU) and dev tools;
 #   - the consumer environments (Rodan's TensorFlow versions, consumers/), built once and cached;
 #   - RabbitMQ answering on 127.0.0.1:5672 (started, or installed then started, unless RABBITMQ_URL is set);
-#   - the single-node Slurm cluster (deploy/dev/slurm.sh up) and Grid Engine (deploy/dev/gridengine.sh up).
+#   - the single-node Slurm cluster (deploy/dev/slurm.sh up) and Grid Engine (deploy/dev/gridengine.sh up),
+#     each of which also makes sure of a second unix user (HPC_DEV_OTHER_USER, default hpcother, created
+#     with useradd when missing, with a Slurm accounting association) that the backend tests submit
+#     held jobs as, to check that the bridge never reads, adopts or cancels another user's jobs.
 # Second run: a few seconds (nothing is reinstalled unless pyproject.toml changed).
 set -euo pipefail
 

@@ -27,6 +27,9 @@
 #   HPC_DEV_SLURM_CGROUP    auto | v1 | v2 | none  (none = no memory limits) (default auto)
 #   HPC_DEV_SLURM_DB_PASS   password of the MariaDB user `slurm`             (default slurmdbpass)
 #   HPC_DEV_SLURM_PROBE_S   timeout of the final `srun true` probe, seconds  (default 60)
+#   HPC_DEV_OTHER_USER      a second unix user with an accounting association: the backend tests
+#                           submit held jobs as this user to check that only our jobs are seen
+#                           (created with useradd when missing; shared with gridengine.sh) (default hpcother)
 set -Eeuo pipefail  # -E: the ERR trap below also fires inside functions
 
 readonly PROG="slurm.sh"
@@ -38,6 +41,7 @@ readonly CLUSTER="${HPC_DEV_SLURM_CLUSTER:-devcluster}"
 readonly CGROUP_MODE_WANTED="${HPC_DEV_SLURM_CGROUP:-auto}"
 readonly DB_PASS="${HPC_DEV_SLURM_DB_PASS:-slurmdbpass}"
 readonly PROBE_S="${HPC_DEV_SLURM_PROBE_S:-60}"
+readonly OTHER_USER="${HPC_DEV_OTHER_USER:-hpcother}"
 
 readonly ETC=/etc/slurm
 readonly STATE_DIR=/var/lib/slurm
@@ -365,6 +369,22 @@ ensure_cluster() {
   say "accounting: cluster $CLUSTER added"
 }
 
+# The second test user, with an association under the `root` account: not needed while
+# AccountingStorageEnforce is unset (as here), but a site-like setting of it would refuse the user's jobs.
+ensure_other_user_association() {
+  local found
+  ensure_other_user "$OTHER_USER"
+  found=$(timeout 20 sacctmgr -n -P show assoc where cluster="$CLUSTER" user="$OTHER_USER" format=user 2>&1) \
+    || die "sacctmgr cannot list the associations: $found"
+  if grep -qx "$OTHER_USER" <<<"$found"; then
+    say "accounting: user $OTHER_USER has an association"
+    return 0
+  fi
+  timeout 20 sacctmgr -i add user "$OTHER_USER" account=root cluster="$CLUSTER" >/dev/null \
+    || die "sacctmgr add user $OTHER_USER failed"
+  say "accounting: user $OTHER_USER added (account root)"
+}
+
 ctld_up() { scontrol ping 2>/dev/null | grep -q 'is UP'; }
 
 start_slurmctld() {
@@ -439,6 +459,7 @@ cmd_up() {
   ensure_mariadb
   start_slurmdbd
   ensure_cluster
+  ensure_other_user_association
   start_slurmctld
   start_slurmd
   probe

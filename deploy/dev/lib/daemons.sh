@@ -84,3 +84,20 @@ stop_daemon() {
   rm -f "$pidfile"
   say "$name: stopped (pid $pid)"
 }
+
+# --- a second unix user -------------------------------------------------------------------------
+
+# ensure_other_user NAME: a plain unix account NAME (no password, no home, no login shell), created
+# with useradd when missing. The backend tests submit held jobs as this user (runuser -u NAME --
+# sbatch/qsub) and check that the bridge never adopts, reads or cancels another user's job.
+ensure_other_user() {
+  local name=$1
+  [[ $name =~ ^[a-z_][a-z0-9_-]*$ ]] || die "the second test user's name must match [a-z_][a-z0-9_-]* (got '$name')"
+  if getent passwd "$name" >/dev/null; then
+    say "user $name: exists"
+    return 0
+  fi
+  useradd --no-create-home --shell /usr/sbin/nologin --comment "hpc-bridge tests, another user's jobs" "$name" \
+    || die "useradd $name failed"
+  say "user $name: created (no password, no home; submits the tests' other-user jobs)"
+}
