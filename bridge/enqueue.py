@@ -9,7 +9,9 @@ that is not its own. Operators use this to test a deployment end to end.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
+import re
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -24,7 +26,7 @@ from bridge.amqp import connect, declare_rodan_queue
 from bridge.ledger import Ledger, RequestRecord, RequestState
 from bridge.progress import Progress, read_new_events
 from bridge.protocol import build_request_body
-from bridge.spool import Spool, read_json, safe_key
+from bridge.spool import Spool, atomic_write, read_json, safe_key
 
 log = structlog.get_logger(__name__)
 
@@ -119,12 +121,49 @@ def wait_for_reply(
             connection.close()
 
 
+#: The longest file name written, in UTF-8 bytes (most filesystems allow 255).
+MAX_NAME_BYTES = 200
+_UNSAFE_IN_NAME = re.compile(r"[\x00-\x1f\x7f/\\]")
+
+
+def model_file_name(key: str) -> str:
+    """The file name a reply key is saved under: one name, never a path.
+
+    ``Background Model`` -> ``Background_Model.hdf5``, as ever. Path separators (``/``, ``\\``),
+    NUL and other control characters become ``_``, leading dots become ``_`` (no hidden file,
+    no ``..``), an empty key is ``model``, and a name too long for a filesystem is cut and
+    given a short hash of the key.
+    """
+    stem = _UNSAFE_IN_NAME.sub("_", key.replace(" ", "_"))
+    stem = re.sub(r"^\.+", lambda dots: "_" * len(dots.group()), stem) or "model"
+    if len(stem.encode("utf-8")) > MAX_NAME_BYTES:
+        digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+        stem = stem.encode("utf-8")[: MAX_NAME_BYTES - 13].decode("utf-8", "ignore") + "-" + digest
+    return f"{stem}.hdf5"
+
+
 def save_models(reply: ReplyResult, out_dir: Path) -> dict[str, Path]:
+    """Decode the reply's models into ``out_dir``, one file per key (:func:`model_file_name`).
+
+    Nothing is written outside ``out_dir``: every name is a plain file name in it, two keys
+    that would share a name get ``-2``, ``-3``, ... and each file is written atomically
+    (a temporary file renamed over the name), so a symbolic link already there is replaced,
+    never followed.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     saved: dict[str, Path] = {}
+    taken: set[str] = set()
     for key, value in reply.data.items():
-        path = out_dir / f"{key.replace(' ', '_')}.hdf5"
-        path.write_bytes(base64.decodebytes(str(value).encode("ascii")))
+        name = model_file_name(str(key))
+        stem, n = name[: -len(".hdf5")], 1
+        while name in taken:
+            n += 1
+            name = f"{stem}-{n}.hdf5"
+        taken.add(name)
+        path = out_dir / name
+        if path.parent != out_dir or path.name != name:  # model_file_name never allows this
+            raise ValueError(f"reply key {key!r} does not map to a file name in {out_dir}")
+        atomic_write(path, base64.decodebytes(str(value).encode("ascii")), mode=0o644)
         saved[key] = path
     return saved
 

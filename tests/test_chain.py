@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -481,6 +482,155 @@ def test_the_follower_concludes_when_links_end_without_a_final_event(tmp_path: P
     assert follow(run, Gone(), out=lines.append, log_poll_s=0.01, query_every_s=0.01) == 1
     failed = events_of(run, "chain_failed")
     assert failed and failed[0]["by"] == "follower" and failed[0]["job_states"] == {"101": "TIMEOUT"}
+
+
+# --- unit: nobody but the chain's user can change what a later link runs -------------------------
+
+ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="only root can give a file to another user")
+NOBODY = 65534
+
+
+def modes(*paths: Path) -> list[str]:
+    return [f"{p.name}:{os.lstat(p).st_mode & 0o7777:04o}" for p in paths]
+
+
+def test_a_chain_is_created_private_whatever_the_umask(tmp_path: Path) -> None:
+    previous = os.umask(0o002)  # a group-friendly umask, as many clusters set
+    try:
+        run, _ = make_chain(tmp_path / "runs", [PY, "-c", "pass"])
+    finally:
+        os.umask(previous)
+    folders = [run.parent, run, run / "checkpoints", run / "logs", run / "scripts"]
+    assert modes(*folders) == [f"{p.name}:0700" for p in folders]
+    assert modes(run / "chain.json", run / "chain.log") == ["chain.json:0600", "chain.log:0600"]
+    assert modes(run / "scripts" / "link-1.sh") == ["link-1.sh:0700"]
+    assert all(os.lstat(p).st_uid == os.geteuid() for p in [*folders, run / "chain.json", run / "chain.log"])
+
+
+@pytest.mark.parametrize(
+    ("prepare", "message"),
+    [
+        (lambda run: run.mkdir(mode=0o775) or run.chmod(0o775), "is writable by group or others (mode 0775)"),
+        (lambda run: run.mkdir(mode=0o700) or (run / "logs").mkdir() or (run / "logs").chmod(0o777), "chmod go-w"),
+        (lambda run: (run.parent / "real").mkdir() or run.symlink_to(run.parent / "real"), "is a symbolic link"),
+    ],
+    ids=["group-writable", "a folder world-writable", "a symlink"],
+)
+def test_submission_refuses_an_existing_run_dir_others_could_change(
+    tmp_path: Path, prepare: Callable[[Path], object], message: str
+) -> None:
+    run = tmp_path / "run"
+    prepare(run)
+    scheduler = Recording()
+    settings = ChainSettings("unit", 2, 600, 0, 1, 100, 0, (PY, "-c", "pass"), str(tmp_path), "slurm")
+    with pytest.raises(ChainError, match=re.escape(message)) as refused:
+        submit_chain(settings, RunDir(run), scheduler)
+    assert str(run) in str(refused.value)
+    assert not scheduler.submitted and not list(tmp_path.rglob("chain.json"))
+
+
+def test_the_cli_says_how_to_make_a_shared_run_dir_private(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared").chmod(0o770)
+    err = _cli(tmp_path, monkeypatch, capsys, "--jobs", "2", "--time", "5", "--run-dir", "shared", "--", "true")
+    assert f"chmod go-w {tmp_path / 'shared'}" in err
+    assert not (tmp_path / "shared" / "chain.json").exists()
+
+
+def _evil_chain_json(run: Path, flag: Path) -> Path:
+    """What a group member would put in place of chain.json: the same chain running their command."""
+    record = json.loads((run / "chain.json").read_text())
+    record["command"] = [PY, "-c", f"open({str(flag)!r}, 'w').close()"]
+    evil = run.parent / "evil.json"
+    evil.write_text(json.dumps(record))
+    return evil
+
+
+def _tamper(kind: str, run: Path, evil: Path) -> Path:
+    """Make ``run`` something others could have changed; returns the path to give the link."""
+    if kind == "run dir group-writable":
+        run.chmod(0o770)
+    elif kind == "run dir world-writable":
+        run.chmod(0o702)
+    elif kind == "run dir another user's":
+        os.chown(run, NOBODY, -1)
+    elif kind == "run dir a symlink":
+        (run.parent / "link").symlink_to(run)
+        return run.parent / "link"
+    elif kind == "chain.json group-writable":
+        (run / "chain.json").chmod(0o620)
+    elif kind == "chain.json another user's":
+        os.chown(run / "chain.json", NOBODY, -1)
+    elif kind == "chain.json a symlink":
+        (run / "chain.json").unlink()
+        (run / "chain.json").symlink_to(evil)
+    elif kind == "checkpoints group-writable":
+        (run / "checkpoints").chmod(0o770)
+    else:
+        raise AssertionError(kind)
+    return run
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("run dir group-writable", "writable by group or others (mode 0770)"),
+        ("run dir world-writable", "writable by group or others (mode 0702)"),
+        pytest.param("run dir another user's", f"belongs to uid {NOBODY}", marks=ROOT_ONLY),
+        ("run dir a symlink", "is a symbolic link"),
+        ("chain.json group-writable", "writable by group or others (mode 0620)"),
+        pytest.param("chain.json another user's", f"belongs to uid {NOBODY}", marks=ROOT_ONLY),
+        ("chain.json a symlink", "is a symbolic link"),
+        ("checkpoints group-writable", "writable by group or others (mode 0770)"),
+    ],
+)
+def test_a_link_runs_nothing_from_a_run_dir_others_could_change(tmp_path: Path, kind: str, message: str) -> None:
+    ours, theirs = tmp_path / "ours-ran", tmp_path / "theirs-ran"
+    run, scheduler = make_chain(tmp_path, [PY, "-c", f"open({str(ours)!r}, 'w').close()"])
+    before = (run / "chain.log").read_bytes()
+    given = _tamper(kind, run, _evil_chain_json(run, theirs))
+    with pytest.raises(ChainError, match=re.escape(message)) as refused:
+        run_link(given, 1, scheduler=scheduler, environ=link_env("101"))
+    where = str(refused.value).split(" ")[0]
+    assert where.startswith(str(given))  # the message names the path
+    if "writable" in message:
+        assert f"chmod go-w {where}" in str(refused.value)
+    assert not ours.exists() and not theirs.exists()  # neither the chain's command nor another's ran
+    assert (run / "chain.log").read_bytes() == before and not scheduler.cancelled
+    assert not (run / "DONE").exists() and not (run / "FAILED").exists()
+
+
+def test_the_follower_refuses_a_run_dir_others_could_change(tmp_path: Path) -> None:
+    class Ended(Recording):
+        def query(self, job_ids: Any) -> dict[str, JobInfo]:
+            return {"101": JobInfo("101", JobState.TIMEOUT, "TIMEOUT")}
+
+    run, _ = make_chain(tmp_path, [PY, "-c", "pass"], links=1)
+    (run / "checkpoints").chmod(0o777)
+    lines: list[str] = []
+    with pytest.raises(ChainError, match=re.escape(f"chmod go-w {run / 'checkpoints'}")):
+        follow(run, Ended(), out=lines.append, log_poll_s=0.01, query_every_s=0.01)
+    assert lines == [] and [e["event"] for e in events_of(run)] == ["chain_submitted"]
+
+
+def test_the_link_job_logs_why_it_refused_and_exits_1(tmp_path: Path) -> None:
+    flag = tmp_path / "ran"
+    run, _ = make_chain(tmp_path, [PY, "-c", f"open({str(flag)!r}, 'w').close()"], links=1)
+    (run / "chain.json").chmod(0o666)
+    proc = subprocess.run(
+        [PY, "-m", "bridge.chain", str(run), "1"], env=link_env("101"), cwd=tmp_path, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    refused = [e for e in map(json.loads, proc.stderr.splitlines()) if e.get("event") == "link_refused"]
+    assert refused and refused[0]["link"] == 1 and refused[0]["level"] == "error"
+    assert f"chmod go-w {run / 'chain.json'}" in refused[0]["error"]
+    assert not flag.exists()
+    # Made private again, the same link runs.
+    (run / "chain.json").chmod(0o600)
+    assert run_link(run, 1, scheduler=Recording(), environ=link_env("101")) == 0 and flag.exists()
 
 
 # --- integration: real schedulers ----------------------------------------------------------------

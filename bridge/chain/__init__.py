@@ -5,7 +5,8 @@ Engine ``-hold_jid``). Every link runs the same command under a supervisor (``py
 bridge.chain RUN_DIR LINK``) that tells it where to checkpoint (``HPC_CHECKPOINT_DIR``) and
 warns it with ``SIGUSR1`` when its time is nearly up. The command exits ``0`` when the work is
 finished (the rest of the chain is cancelled), ``75`` (``EX_TEMPFAIL``) to continue in the next
-link, anything else to fail the chain. Everything lives in one run directory; ``chain.log``
+link, anything else to fail the chain. Everything lives in one run directory, private to its
+user (a link runs nothing from one that anyone else could have changed); ``chain.log``
 holds one JSON event per line. No broker, no Rodan, no credentials. The full contract is in
 ``docs/researcher-guide.md``.
 

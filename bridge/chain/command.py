@@ -91,6 +91,10 @@ def chain_command(args: Any, environ: Mapping[str, str] | None = None, out: Call
         outcome = {0: "done", 1: "failed", EX_TEMPFAIL: "incomplete"}.get(code, f"exit {code}")
         progress.update(outcome, outcome=outcome, code=code)
         return code
+    except ChainError as exc:  # the run directory is no longer private (see RunDir.verify)
+        progress.finish()
+        print(f"hpc-bridge chain: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         progress.finish()
         out("stopped following; the chain goes on")

@@ -70,6 +70,9 @@ def follow(
 ) -> int:
     """Print the chain's events as they come until it has ended; return 0 (done), 1 (failed), 75 (incomplete).
 
+    Raises :class:`~bridge.chain.settings.ChainError` first if the run directory could have been
+    changed by someone else (:meth:`RunDir.verify`).
+
     The chain has ended when a final event is in chain.log and no link is pending or running
     any more (or ``settle_s`` after the final event). Should every link end without a final
     event (a link killed outright, e.g. Grid Engine's SIGKILL at h_rt without a warning), the
@@ -80,6 +83,7 @@ def follow(
     chain event); the caller finishes it.
     """
     run = RunDir(run_path)
+    run.verify()  # ChainError when someone else could have changed it, as a link would refuse it
     record = run.read()
     job_ids = [str(j) for j in record.get("job_ids") or []]
     links = int(record.get("links", len(job_ids)))

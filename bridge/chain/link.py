@@ -20,11 +20,15 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import structlog
+
 from bridge.chain.rundir import ChainLog, RunDir
-from bridge.chain.settings import EX_TEMPFAIL, ChainSettings
+from bridge.chain.settings import EX_TEMPFAIL, ChainError, ChainSettings
 from bridge.errors import BridgeError
 from bridge.schedulers import Scheduler, get_scheduler
 from bridge.shell import CommandError, CommandTimeout, supervise
+
+log = structlog.get_logger(__name__)
 
 # Set to 0 in a link's environment (-v HPC_CHAIN_WARN_TIMER=0) to rely on the scheduler's signal alone.
 TIMER_SWITCH = "HPC_CHAIN_WARN_TIMER"
@@ -106,10 +110,12 @@ def run_link(
 
     0 when the command finished (or the link was skipped) or when the next link continues;
     75 when the last link ended with more to do; on failure, the command's status (1 instead of
-    99, 100 or a signal).
+    99, 100 or a signal). Raises :class:`ChainError`, running nothing, when the run directory or
+    ``chain.json`` could have been changed by someone else (:meth:`RunDir.verify`, :meth:`RunDir.read`).
     """
     env = dict(os.environ if environ is None else environ)
     run = RunDir(run_path)
+    run.verify()  # nobody else can have changed what it runs (ChainError: run nothing, write nothing)
     record = _wait_for_submission(run, submit_wait_s)
     settings = ChainSettings.from_json(record)
     job_ids = [str(j) for j in record.get("job_ids") or []]
@@ -253,4 +259,8 @@ def link_main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
     configure_logging(level=os.environ.get("HPC_LOG_LEVEL", "INFO"), stream=sys.stderr, component="chain")
-    return run_link(Path(args[0]), int(args[1]))
+    try:
+        return run_link(Path(args[0]), int(args[1]))
+    except ChainError as exc:  # an untrusted run directory: nothing ran, nothing was written there
+        log.error("link_refused", run_dir=args[0], link=int(args[1]), error=str(exc))
+        return 1

@@ -4,12 +4,24 @@
 ``logs/`` for the scheduler's output, ``scripts/`` for the batch scripts, and the ``DONE`` /
 ``FAILED`` markers) and reads and writes them. :class:`ChainLog` appends one JSON event per
 line to ``chain.log``; the submitting command, every link and a follower all write to it.
+
+A later link runs what ``chain.json`` says, so the run directory is trusted only while nobody
+else can change it: it is created private (directories 0700, files 0600), and before a link
+(or a follower) uses it, :meth:`RunDir.verify` and :meth:`RunDir.read` check that the run
+directory, its ``checkpoints/``, ``logs/`` and ``scripts/`` and ``chain.json`` are real (no
+symbolic link), belong to this user and are not writable by group or others
+(``mode & 0o022 == 0``); otherwise :class:`ChainError` says which path and how to fix it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
+import os
+import shlex
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -27,6 +39,52 @@ CHAIN_FILE = "chain.json"
 LOG_FILE = "chain.log"
 DONE_FILE = "DONE"
 FAILED_FILE = "FAILED"
+#: Bits that let someone other than the owner change a run directory or a file in it.
+SHARED_WRITE = 0o022
+
+
+def check_trusted(path: Path, info: os.stat_result, *, directory: bool) -> None:
+    """Refuse (:class:`ChainError`) a run-directory path whose ``info`` (an ``lstat`` or the
+    ``fstat`` of a descriptor opened without following links) shows that anyone but this user
+    could change it: a symbolic link, another owner, or write permission for group or others."""
+    kind = "directory" if directory else "file"
+    if stat.S_ISLNK(info.st_mode):
+        raise ChainError(
+            f"{path} is a symbolic link: a chain's run directory and its files must be real ones (whoever can "
+            f"change the link decides what the chain runs); give the directory itself as --run-dir"
+        )
+    if not (stat.S_ISDIR(info.st_mode) if directory else stat.S_ISREG(info.st_mode)):
+        raise ChainError(f"{path} is not a {kind}: a chain's run directory holds only what hpc-bridge chain made")
+    me = os.geteuid()
+    if info.st_uid != me:
+        raise ChainError(
+            f"{path} belongs to uid {info.st_uid}, not to you (uid {me}): a chain runs only from a run directory "
+            f"of its own user; submit it again with a --run-dir of your own"
+        )
+    if info.st_mode & SHARED_WRITE:
+        raise ChainError(
+            f"{path} is writable by group or others (mode {stat.S_IMODE(info.st_mode):04o}): they could change "
+            f"what the chain runs; make it private with: chmod go-w {shlex.quote(str(path))}"
+        )
+
+
+def _open_trusted(path: Path, *, directory: bool, dir_fd: int | None = None) -> int:
+    """A descriptor of ``path`` (opened without following a symbolic link; relative to
+    ``dir_fd`` when given) after :func:`check_trusted` passed on what it opened."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_DIRECTORY if directory else os.O_NONBLOCK)
+    try:
+        fd = os.open(path.name if dir_fd is not None else path, flags, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        check_trusted(path, os.lstat(path), directory=directory)  # says what it is (a link, a file)
+        raise
+    try:
+        check_trusted(path, os.fstat(fd), directory=directory)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 @dataclass(frozen=True)
@@ -63,14 +121,51 @@ class RunDir:
     def failed_marker(self) -> Path:
         return self.path / FAILED_FILE
 
+    @property
+    def folders(self) -> tuple[Path, ...]:
+        """The directories a link trusts: the run directory first."""
+        return (self.path, self.checkpoints, self.logs, self.scripts)
+
     def create(self) -> None:
-        if self.chain_file.exists():
+        """Make the run directory and its folders, private (0700; missing parents too); an
+        existing one must pass :func:`check_trusted` and hold no chain yet."""
+        if os.path.lexists(self.chain_file):
             raise ChainError(f"{self.path} already holds a chain ({CHAIN_FILE}): choose another --run-dir")
-        for directory in (self.path, self.checkpoints, self.logs, self.scripts):
-            directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        missing: list[Path] = []
+        ancestor = self.path
+        while not os.path.lexists(ancestor) and ancestor != ancestor.parent:
+            missing.append(ancestor)
+            ancestor = ancestor.parent
+        for directory in reversed(missing):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(directory, 0o700)
+        check_trusted(self.path, os.lstat(self.path), directory=True)
+        for directory in self.folders[1:]:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(directory, 0o700)
+        self.verify()
+
+    def verify(self) -> None:
+        """Refuse (:class:`ChainError`) a run directory that anyone but this user could change
+        (see :func:`check_trusted`); its folders that exist are checked too."""
+        fd = _open_trusted(self.path, directory=True)
+        os.close(fd)
+        for folder in self.folders[1:]:
+            try:
+                info = os.lstat(folder)
+            except FileNotFoundError:
+                continue
+            check_trusted(folder, info, directory=True)
 
     def read(self) -> dict[str, Any]:
-        data = read_json(self.chain_file)
+        """``chain.json``, read only after the run directory and the file passed :func:`check_trusted`."""
+        dir_fd = _open_trusted(self.path, directory=True)
+        try:
+            fd = _open_trusted(self.chain_file, directory=False, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
+        with os.fdopen(fd, "rb") as handle:
+            data = json.load(handle)
         if not isinstance(data, dict):
             raise ChainError(f"{self.chain_file} is not a JSON object")
         return data
@@ -127,8 +222,9 @@ class ChainLog:
     (the job's output inside a link)."""
 
     def __init__(self, path: Path, **context: Any) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._handle: TextIO = path.open("a", encoding="utf-8", buffering=1)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        self._handle: TextIO = os.fdopen(fd, "a", encoding="utf-8", buffering=1)
         self._events = structlog.wrap_logger(
             structlog.WriteLogger(self._handle),
             processors=[

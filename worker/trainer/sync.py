@@ -28,6 +28,13 @@ after the checkpoint chosen, so every model written before it is seen).
 On start, :func:`open_checkpoints` copies the newest intact checkpoint (and the model files
 it needs) from the persistent directory to the local one unless the local one holds a
 newer one already, so a job continued on another node resumes where the last one stopped.
+
+The node-local directory lies under a base every user of the node shares (``$TMPDIR``,
+``/tmp``), with a name others can guess, so it is used only as :func:`claim_node_local_dir`
+leaves it: made by this job with mode 0700 (never through a symbolic link), or, if it exists
+already, a real directory of this user that nobody else may enter. Anything else (another
+user's directory, a symbolic link, open permissions) is left alone and a fresh directory with
+an unpredictable name is made beside it (warning event ``node_local_dir_unsafe``).
 """
 
 from __future__ import annotations
@@ -35,10 +42,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
+import stat
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
+
+import structlog
 
 from worker.trainer.checkpoint import (
     CHUNK,
@@ -53,6 +65,7 @@ from worker.trainer.checkpoint import (
 )
 
 log = logging.getLogger(__name__)
+events = structlog.get_logger("worker")  # the worker's JSON log: the node-local directory's events
 
 #: How often the thread copies when the caller does not say.
 DEFAULT_SYNC_INTERVAL_S = 60.0
@@ -218,6 +231,51 @@ def seed_local(persistent_dir: Path, local_dir: Path, copy_file: CopyFile = copy
     return remote.sequence
 
 
+def _not_private(path: Path) -> str | None:
+    """Why ``path`` (looked at without following a symbolic link) is no directory of this job's
+    own: None when it is a real directory of this user with no permission for anyone else."""
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode):
+        return "a symbolic link"
+    if not stat.S_ISDIR(info.st_mode):
+        return "not a directory"
+    if info.st_uid != os.geteuid():
+        return f"owned by uid {info.st_uid}"
+    if info.st_mode & 0o077:
+        return f"open to other users (mode {stat.S_IMODE(info.st_mode):04o})"
+    return None
+
+
+def claim_node_local_dir(path: Path) -> Path | None:
+    """A directory only this user can enter, for this job's node-local checkpoints: ``path``
+    itself or, when that is not safe, a fresh one beside it; None when none can be made (the
+    checkpoints then go straight to the run directory).
+
+    ``path`` is made with mode 0700 (``mkdir`` never follows a symbolic link). If it exists
+    already it is used only when it is a real directory (``lstat``), owned by this user, with
+    ``mode & 0o077 == 0`` (e.g. this job's own, from before a requeue on the same node).
+    Otherwise it is left alone, and a directory with an unpredictable name is made in the same
+    base (``tempfile.mkdtemp``: mode 0700, ``PATH-xxxxxxxx``) with the warning event
+    ``node_local_dir_unsafe``. The caller removes what it gets when done.
+    """
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+        problem = _not_private(path)
+        if problem is None:
+            return path
+        fresh = Path(tempfile.mkdtemp(prefix=f"{path.name}-", dir=path.parent))
+    except OSError as exc:
+        events.warning(
+            "node_local_dir_unusable", path=str(path), error=str(exc), note="checkpoints go to the run directory"
+        )
+        return None
+    events.warning("node_local_dir_unsafe", path=str(path), problem=problem, using=str(fresh))
+    return fresh
+
+
 @contextlib.contextmanager
 def open_checkpoints(
     persistent_dir: Path, local_dir: Path | None = None, sync_interval_s: float = DEFAULT_SYNC_INTERVAL_S
@@ -225,21 +283,28 @@ def open_checkpoints(
     """The checkpoint store for ``train_page(checkpoints=...)``: see the module docstring.
 
     Without ``local_dir`` the store writes straight to ``persistent_dir`` and its ``flush()``
-    does nothing. With it, the store writes to ``local_dir`` (which should belong to this
-    job alone, e.g. under the job's ``$TMPDIR``: what it holds counts as this run's), a
-    thread copies it to ``persistent_dir`` every ``sync_interval_s`` seconds,
+    does nothing. With it, the store writes to ``local_dir`` (what it holds counts as this
+    run's), a thread copies it to ``persistent_dir`` every ``sync_interval_s`` seconds,
     ``store.flush()`` copies now and blocks until done, and leaving the block stops the
     thread and copies a last time. Both directories are made if missing; on entry the
     newest checkpoint of ``persistent_dir`` is copied to ``local_dir`` unless that holds a
     newer one.
+
+    ``local_dir`` is used only as :func:`claim_node_local_dir` leaves it: where that is not
+    ``local_dir`` itself, the store writes to the fresh directory it made instead, which is
+    removed on leaving the block; where no private directory can be had, the store writes
+    straight to ``persistent_dir``.
     """
     persistent_dir = Path(persistent_dir)
     persistent_dir.mkdir(parents=True, exist_ok=True)
-    if local_dir is None:
+    local = None if local_dir is None else claim_node_local_dir(Path(local_dir))
+    if local is None:
         yield CheckpointStore(persistent_dir)
         return
-    local_dir = Path(local_dir)
-    local_dir.mkdir(parents=True, exist_ok=True)
-    seed_local(persistent_dir, local_dir)
-    with CheckpointSync(local_dir, persistent_dir, sync_interval_s) as sync:
-        yield CheckpointStore(local_dir, flush=sync.flush)
+    try:
+        seed_local(persistent_dir, local)
+        with CheckpointSync(local, persistent_dir, sync_interval_s) as sync:
+            yield CheckpointStore(local, flush=sync.flush)
+    finally:
+        if local_dir is not None and local != Path(local_dir):  # made here: nobody else knows it
+            shutil.rmtree(local, ignore_errors=True)
