@@ -1,5 +1,5 @@
 """Resource download throughput: the worker's download code (`bridge.rodan.RodanClient.download`:
-requests, 1 MiB chunks, sha256, length check, fsync, atomic rename) vs `curl -o` of the same file
+requests, 1 MiB raw chunks, the byte cap, length check, fsync, atomic rename) vs `curl -o` of the same file
 from the same loopback server, interleaved, in the same run.
 
 Two servers: the Rodan stand-in (`bridge/standin/server.py`, Python, 64 KiB writes; what the tests
@@ -33,9 +33,9 @@ from bridge.standin.server import RodanStandin, User
 CHILD = """
 import sys, time
 from pathlib import Path
-from bridge.rodan import RodanClient
+from bridge.rodan import DEFAULT_MAX_INPUT_BYTES, RodanClient
 client = RodanClient(sys.argv[1], token=sys.argv[3])
-result = client.download(sys.argv[2], Path(sys.argv[4]))
+result = client.download(sys.argv[2], Path(sys.argv[4]), max_bytes=DEFAULT_MAX_INPUT_BYTES)
 print(result.seconds, result.bytes)
 """
 

@@ -1,12 +1,15 @@
 """Rodan down or misbehaving, end to end through ``hpc-bridge run`` and real Slurm jobs (issue #6, item 3).
 
 What is covered elsewhere is not repeated here: the client's retries against the stand-in
-(tests/test_rodan_client.py), the token endpoint's 5xx outage deferring then giving up and the
+(tests/test_rodan_client.py), the download cap, other origins and the intake's input check
+(tests/test_inputs_bounded.py), the token endpoint's 5xx outage deferring then giving up and the
 refused HPC account with cron passes (tests/test_e2e.py), the worker's 404 and not-an-image in
 process (tests/test_worker.py). Here every download fault happens in the real worker inside a
 real Slurm job, each request with its own fault (the stand-in's faults match a path prefix, and
-every request's page has its own paths), and the token endpoint's resets and timeouts go through
-the daemon: bounded retries, then exactly one error reply that names the cause.
+every request's page has its own paths; ``downloads_only`` leaves the intake's ranged check of
+each input alone, so that the fault meets the worker's download), a file that is not a PNG is
+refused at intake without a job, and the token endpoint's resets and timeouts go through the
+daemon: bounded retries, then exactly one error reply that names the cause.
 """
 
 from __future__ import annotations
@@ -84,6 +87,11 @@ def hits(standin: RodanStandin, path: str) -> int:
     return sum(1 for r in standin.requests if r.path == path)
 
 
+def downloads(standin: RodanStandin, path: str) -> int:
+    """Whole-file GETs of ``path`` (the worker's), not the intake's ranged check."""
+    return sum(1 for r in standin.requests if r.path == path and r.method == "GET" and r.header("Range") is None)
+
+
 @pytest.mark.training
 def test_download_faults_in_real_jobs_end_in_one_clear_reply_each(
     bridge: Bridge, standin: RodanStandin, rodan: Rodan, sample_inputs
@@ -96,13 +104,15 @@ def test_download_faults_in_real_jobs_end_in_one_clear_reply_each(
     pages["burst"] = sample_inputs("new", n_layers=1, height=320, width=384, seed=40)
     image = {name: page["Image"] for name, page in pages.items()}
     layer = pages["refused"]["rgba PNG - Layer 0"]
-    standin.fail_next(2, status=503, paths=image["burst"])  # a burst shorter than the retries: recovers
-    standin.fail_next(1000, status=502, paths=image["5xx"])
-    standin.reset_next(1000, paths=image["reset"])
-    standin.truncate_next(1000, paths=image["truncated"])
-    standin.delay(15, paths=image["timeout"])  # longer than the worker's read timeout, every time
-    standin.fail_next(1000, status=401, paths=layer)
-    (standin.uploads_dir / "not-a-png").write_bytes(b"<html><body>Rodan's login page</body></html>")
+    only = {"downloads_only": True}  # the intake's ranged check of each input gets through
+    standin.fail_next(2, status=503, paths=image["burst"], **only)  # a burst shorter than the retries: recovers
+    standin.fail_next(1000, status=502, paths=image["5xx"], **only)
+    standin.reset_next(1000, paths=image["reset"], **only)
+    standin.truncate_next(1000, paths=image["truncated"], **only)
+    standin.delay(15, paths=image["timeout"], **only)  # longer than the worker's read timeout, every time
+    standin.fail_next(1000, status=401, paths=layer, detail="Ask bob@example.org for a login", **only)
+    login_page = b"<html><body>Rodan's login page</body></html>"
+    (standin.uploads_dir / "not-a-png").write_bytes(login_page)
     pages["not_png"]["rgba PNG - Layer 0"] = "/uploads/not-a-png"
 
     daemon = bridge.start(HPC_RODAN_RETRIES=str(RETRIES), HPC_RODAN_TIMEOUT=str(TIMEOUT_S))
@@ -111,7 +121,7 @@ def test_download_faults_in_real_jobs_end_in_one_clear_reply_each(
 
     models = bridge.bodies[corr["burst"]]
     assert set(models) == {"Background Model", "Model 0"}, "a 5xx burst shorter than the retries is harmless"
-    assert hits(standin, image["burst"]) == 3
+    assert downloads(standin, image["burst"]) == 3
 
     prefix = "the training job failed while downloading 'Image': download of "
     assert bridge.error(corr["5xx"]) == f"{prefix}{host}{image['5xx']}: server answered 502"
@@ -124,23 +134,26 @@ def test_download_faults_in_real_jobs_end_in_one_clear_reply_each(
     error = bridge.error(corr["timeout"])
     assert error.startswith(f"{prefix}{host}{image['timeout']} failed: ") and "Timeout" in error, error
     for name in ("5xx", "reset", "truncated", "timeout"):
-        assert hits(standin, image[name]) == DOWNLOAD_ATTEMPTS, f"{name}: bounded retries"
+        assert downloads(standin, image[name]) == DOWNLOAD_ATTEMPTS, f"{name}: bounded retries"
 
     error = bridge.error(corr["refused"])
     assert error == (
         f"the training job failed while downloading 'rgba PNG - Layer 0': download of {host}{layer} "
-        "refused (401): Unauthorized"
-    )
-    assert hits(standin, layer) == 1, "a 4xx is never retried"
+        "refused (401): Rodan did not accept the HPC account's token; check the account's rights in Rodan "
+        "(hpc-bridge doctor)"
+    ), "the status and what to do, never the server's body"
+    assert downloads(standin, layer) == 1, "a 4xx is never retried"
     error = bridge.error(corr["not_png"])
-    assert error.startswith("the training job failed while reading the input images: layer 'Model 0' (")
-    assert "is not a readable image" in error
+    assert error == f"input 'rgba PNG - Layer 0' is not a PNG or JPEG file (it starts with {login_page[:16].hex()})"
+    assert downloads(standin, "/uploads/not-a-png") == 0 and hits(standin, "/uploads/not-a-png") == 1
 
     for name, c in corr.items():
         text = bridge.error(c) or f"models: {sorted(bridge.bodies[c])}"
-        print(f"\n{name}: {hits(standin, image[name])} GETs of the Image; reply: {text}")
-        assert len(jobs_started(f"rodan-{c}")) == 1, f"{name}: one job, never resubmitted"
-    wait_until(lambda: all(daemon.state(c) == "replied" for c in corr.values()), 60, 0.5, "the ledger to settle")
+        print(f"\n{name}: {downloads(standin, image[name])} downloads of the Image; reply: {text}")
+        jobs = 0 if name == "not_png" else 1
+        assert len(jobs_started(f"rodan-{c}")) == jobs, f"{name}: {jobs} job(s), never resubmitted"
+    settled = {c: "rejected" if name == "not_png" else "replied" for name, c in corr.items()}
+    wait_until(lambda: all(daemon.state(c) == s for c, s in settled.items()), 60, 0.5, "the ledger to settle")
     assert set(bridge.replies) == set(corr.values())
     assert not list((bridge.spool / "outbox").glob("*.json"))
 
@@ -150,7 +163,8 @@ def test_token_endpoint_resets_and_timeouts_defer_then_one_bounded_error(
 ) -> None:
     page = sample_inputs("new", n_layers=1, seed=50)
     token = "/api/auth/token/"
-    daemon = bridge.start(HPC_RODAN_RETRIES="1", HPC_RODAN_TIMEOUT="2", HPC_MAX_ATTEMPTS="2")
+    # The second pass over a request comes at least 5 s after the first (the deferral's backoff).
+    daemon = bridge.start(HPC_RODAN_RETRIES="1", HPC_RODAN_TIMEOUT="2", HPC_DEFER_LIMIT="3")
     standin.reset_next(1000, paths=token)
     reset = rodan.publish_request(page, SETTINGS)
     wait_until(lambda: bridge.all_replied([reset]), 120, 0.5, "the reply after connection resets")
@@ -162,10 +176,10 @@ def test_token_endpoint_resets_and_timeouts_defer_then_one_bounded_error(
 
     url = standin.url
     error = bridge.error(reset)
-    assert error.startswith("gave up after 2 attempts over several passes: ")
+    assert error.startswith("gave up after retrying for ") and "(2 attempts, HPC_DEFER_LIMIT): " in error, error
     assert f"Rodan at {url} unreachable: ConnectionError" in error, error
     error = bridge.error(slow)
-    assert error.startswith("gave up after 2 attempts over several passes: ")
+    assert error.startswith("gave up after retrying for ") and "(2 attempts, HPC_DEFER_LIMIT): " in error, error
     assert f"Rodan at {url} unreachable: " in error and "Timeout" in error, error
     posts = [r for r in standin.requests if r.path == token]
     assert len(posts) == 2 * 2 * 2, "2 passes x (1 try + 1 retry) for each request: bounded"
@@ -190,6 +204,6 @@ def test_a_truncated_download_says_how_much_of_how_much_arrived(tmp_path: Path) 
         server.truncate_next(10, paths="/uploads/")
         client = RodanClient(server.url, retries=1, backoff_s=0.01)
         with pytest.raises(TransientError, match=r"truncated: 50000 of 100000 bytes$"):
-            client.download("/uploads/f.bin", tmp_path / "out")
+            client.download("/uploads/f.bin", tmp_path / "out", max_bytes=1 << 20)
         assert hits(server, "/uploads/f.bin") == 2
     assert not (tmp_path / "out").exists()

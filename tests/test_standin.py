@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import http.client
 import json
 import os
@@ -24,7 +25,7 @@ from bridge.standin.samples import (
     make_sample_page,
     synthesize_page_from_masks,
 )
-from bridge.standin.server import RodanStandin, User, token_for_email
+from bridge.standin.server import PNG_SIGNATURE, RodanStandin, User, token_for_email
 
 EMAIL, USERNAME, PASSWORD = "ana@example.org", "ana", "s3cret pass"
 TOKEN_RE = re.compile(r"^[0-9a-f]{40}$")
@@ -338,6 +339,155 @@ def test_faults_apply_in_order(srv):
         requests.get(url, timeout=5)
     assert requests.get(url, timeout=5).status_code == 500
     assert requests.get(url, timeout=5).status_code == 401
+
+
+def test_fail_next_with_a_body_and_retry_after(srv, payload):
+    path, data = payload
+    srv.fail_next(1, 403, paths="/uploads/", detail="Ask the admin (bob) for access.")
+    srv.fail_next(1, 429, paths="/uploads/", retry_after=30)
+    srv.fail_next(1, 408, paths="/uploads/", html=True, detail="too slow")
+    r = requests.get(srv.url_for(path), timeout=5)
+    assert (r.status_code, r.json()) == (403, {"detail": "Ask the admin (bob) for access."})
+    r = requests.get(srv.url_for(path), timeout=5)
+    assert (r.status_code, r.json(), r.headers["Retry-After"]) == (429, {"detail": "Too Many Requests"}, "30")
+    r = requests.get(srv.url_for(path), timeout=5)
+    assert r.status_code == 408 and b"<p>too slow</p>" in r.content and b"408 Request Timeout" in r.content
+    assert requests.get(srv.url_for(path), timeout=5).content == data
+
+
+def test_redirect_next(srv, payload):
+    path, data = payload
+    srv.redirect_next(1, "/uploads/elsewhere", paths="/uploads/", status=307)
+    r = requests.get(srv.url_for(path), timeout=5, allow_redirects=False)
+    assert (r.status_code, r.headers["Location"]) == (307, "/uploads/elsewhere")
+    assert srv.requests[-1].fault == "redirect"
+    assert requests.get(srv.url_for(path), timeout=5).content == data
+    with pytest.raises(ValueError, match="redirect"):
+        srv.redirect_next(1, "/x", status=200)
+
+
+def test_downloads_only_faults_spare_ranged_gets_and_heads(srv, payload):
+    """The intake checks an input with a ranged GET (or a HEAD); the worker downloads it whole."""
+    path, data = payload
+    srv.fail_next(1, 502, paths="/uploads/", downloads_only=True)
+    srv.reset_next(1, paths="/uploads/", downloads_only=True)
+    srv.delay(0.2, paths="/uploads/", downloads_only=True)
+    assert requests.get(srv.url_for(path), headers={"Range": "bytes=0-15"}, timeout=5).status_code == 206
+    assert requests.head(srv.url_for(path), timeout=5).status_code == 200
+    assert [r.fault for r in srv.requests] == [None, None], "neither matched nor consumed the faults"
+    assert requests.get(srv.url_for(path), timeout=5).status_code == 502
+    with pytest.raises(requests.ConnectionError):
+        requests.get(srv.url_for(path), timeout=5)
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.get(srv.url_for(path), timeout=0.1)  # the delay holds for whole GETs only
+    srv.clear_faults()
+    assert requests.get(srv.url_for(path), timeout=5).content == data
+
+
+# ------------------------------------------------------------------------------------------------
+# ranges, HEAD, generated resources (what the intake's check and the download cap are tested with)
+
+
+def ranged(srv: RodanStandin, path: str, value: str) -> requests.Response:
+    return requests.get(srv.url_for(path), headers={"Range": value}, timeout=5)
+
+
+def test_ranges_like_nginx(srv, payload):
+    path, data = payload
+    size = len(data)
+    whole = requests.get(srv.url_for(path), timeout=5)
+    assert whole.headers["Accept-Ranges"] == "bytes" and "Content-Range" not in whole.headers
+    for value, first, last in [
+        ("bytes=0-15", 0, 15),
+        ("bytes=100-", 100, size - 1),
+        ("bytes=-10", size - 10, size - 1),
+        ("bytes=0-999999999", 0, size - 1),  # past the end: clamped
+        (f"bytes=-{size + 5}", 0, size - 1),
+    ]:
+        r = ranged(srv, path, value)
+        assert r.status_code == 206, value
+        assert r.headers["Content-Range"] == f"bytes {first}-{last}/{size}", value
+        assert r.headers["Content-Length"] == str(last - first + 1) and r.content == data[first : last + 1], value
+    for value in (f"bytes={size}-", f"bytes={size + 10}-{size + 20}", "bytes=-0"):
+        r = ranged(srv, path, value)
+        assert (r.status_code, r.headers["Content-Range"]) == (416, f"bytes */{size}"), value
+        assert r.json() == {"detail": "Requested Range Not Satisfiable"}
+    for value in ("bytes=0-1,5-9", "bytes=9-2", "items=0-5", "bytes=x-"):  # ignored: the whole file
+        r = ranged(srv, path, value)
+        assert (r.status_code, r.content) == (200, data), value
+    h = requests.head(srv.url_for(path), headers={"Range": "bytes=0-15"}, timeout=5)
+    assert (h.status_code, h.headers["Content-Length"], h.content) == (200, str(size), b"")
+    assert h.headers["Accept-Ranges"] == "bytes"
+    assert [r.sent for r in srv.requests][:2] == [size, 16], "the log counts the body bytes sent"
+    (srv.uploads_dir / "empty").write_bytes(b"")
+    r = ranged(srv, "/uploads/empty", "bytes=0-15")
+    assert (r.status_code, r.headers["Content-Range"]) == (416, "bytes */0")
+
+
+def test_ignore_range(srv, payload):
+    path, data = payload
+    srv.ignore_range(paths="/uploads/projects/")
+    r = ranged(srv, path, "bytes=0-15")
+    assert (r.status_code, r.content) == (200, data) and "Accept-Ranges" not in r.headers
+    srv.clear_faults()
+    assert ranged(srv, path, "bytes=0-15").status_code == 206
+
+
+def test_serve_generated_chunked_without_end(srv):
+    srv.serve_generated("/uploads/endless")
+    conn = http.client.HTTPConnection(srv.host_port, timeout=5)
+    conn.request("GET", "/uploads/endless", headers={"Range": "bytes=0-15"})
+    resp = conn.getresponse()
+    assert resp.status == 200, "a streamed response ignores ranges"
+    assert resp.getheader("Transfer-Encoding") == "chunked" and resp.getheader("Content-Length") is None
+    body = b""
+    while len(body) < 3 << 20:
+        body += resp.read(1 << 16)
+    assert body.startswith(PNG_SIGNATURE) and body[len(PNG_SIGNATURE) :].count(0) == len(body) - len(PNG_SIGNATURE)
+    conn.close()
+    assert srv.requests[0].sent >= 3 << 20
+    h = requests.head(srv.url + "/uploads/endless", timeout=5)
+    assert h.status_code == 200 and h.headers["Transfer-Encoding"] == "chunked" and h.content == b""
+
+
+def test_serve_generated_with_a_size(srv):
+    srv.serve_generated("/uploads/chunked", 100_000, head=b"GIF89a")
+    r = requests.get(srv.url + "/uploads/chunked", timeout=5)
+    assert "Content-Length" not in r.headers and len(r.content) == 100_000 and r.content.startswith(b"GIF89a")
+    srv.serve_generated("/uploads/declared", 5 << 30, chunked=False)  # 5 GiB, never stored
+    with requests.get(srv.url + "/uploads/declared", stream=True, timeout=5) as r:
+        assert r.headers["Content-Length"] == str(5 << 30)
+        assert r.raw.read(8) == PNG_SIGNATURE
+    assert requests.head(srv.url + "/uploads/declared", timeout=5).headers["Content-Length"] == str(5 << 30)
+    srv.clear_faults()
+    assert requests.get(srv.url + "/uploads/declared", timeout=5).status_code == 404
+    with pytest.raises(ValueError, match="chunked"):
+        srv.serve_generated("/uploads/x", None, chunked=False)
+    with pytest.raises(ValueError, match="/uploads/"):
+        srv.serve_generated("/api/auth/me/")
+
+
+def test_serve_gzip_bomb(srv):
+    srv.serve_gzip_bomb("/uploads/bomb", 32 << 20)
+    with requests.get(srv.url + "/uploads/bomb", headers={"Accept-Encoding": "identity"}, stream=True, timeout=5) as r:
+        assert r.headers["Content-Encoding"] == "gzip", "whatever the client asked for"
+        wire = r.raw.read(decode_content=False)
+    assert int(r.headers["Content-Length"]) == len(wire) < (32 << 20) // 500
+    inflated = gzip.decompress(wire)
+    assert len(inflated) == 32 << 20 and inflated.startswith(PNG_SIGNATURE)
+
+
+def test_stop_while_streaming_without_end(tmp_path):
+    srv = RodanStandin(tmp_path).start()
+    srv.serve_generated("/uploads/endless")
+    conn = http.client.HTTPConnection(srv.host_port, timeout=5)
+    conn.request("GET", "/uploads/endless")
+    resp = conn.getresponse()
+    resp.read(1 << 16)
+    t0 = time.monotonic()
+    srv.stop()  # the handler writing the endless body ends too
+    assert time.monotonic() - t0 < 5
+    conn.close()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -6,10 +6,15 @@ uses of Rodan:
 - ``POST /api/auth/token/`` (form-urlencoded, multipart/form-data or JSON body) in both generations:
   Rodan <= 2.0.14 authenticates ``username`` + ``password``, Rodan >= 2.0.15 ``email`` + ``password``;
 - ``GET /api/auth/me/`` with ``Authorization: Token <key>`` (Django REST framework's token auth);
-- ``GET``/``HEAD /uploads/<path>``, the static files, optionally behind the token;
+- ``GET``/``HEAD /uploads/<path>``, the static files, optionally behind the token, as Rodan's nginx
+  serves them: ``Accept-Ranges: bytes``, and a GET with ``Range: bytes=A-B`` (or ``A-``, ``-N``) gets
+  206 with ``Content-Range`` (416 with ``Content-Range: bytes */SIZE`` when unsatisfiable; several
+  ranges or a malformed header get the whole file, as the RFC allows);
 
-plus fault injection (error bursts, delays, connection resets, truncated bodies, changed credentials)
-and a log of every request, for assertions.
+plus fault injection (error bursts with a chosen body or ``Retry-After``, redirects, delays,
+connection resets, truncated bodies, changed credentials, resources that ignore ranges, generated
+resources: endless chunked bodies, huge declared lengths, gzip bombs) and a log of every request
+(with the body bytes sent), for assertions.
 
 Tokens and passwords are never printed or logged; ``repr()`` of users and request records hides them.
 """
@@ -20,13 +25,15 @@ import hashlib
 import http.server
 import json
 import logging
+import re
 import secrets
 import socket
 import struct
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterable
+import zlib
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from email import policy
 from email.message import Message
@@ -57,6 +64,9 @@ UPLOADS_PREFIX = "/uploads/"
 _CHUNK = 64 * 1024
 _MAX_BODY = 64 * 1024 * 1024
 _REDACTED_HEADERS = frozenset({"authorization", "cookie", "proxy-authorization"})
+#: What generated resources start with by default, so that they pass a check of the file type.
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_RANGE = re.compile(r"bytes=(\d*)-(\d*)")
 
 
 def token_for_email(email: str) -> str:
@@ -99,7 +109,8 @@ class RequestRecord:
     client: tuple[str, int]
     time: float  # time.time() when the request line had been read
     status: int | None = None
-    fault: str | None = None  # "fail", "reset" or "truncate" when one was injected
+    fault: str | None = None  # "fail", "reset", "truncate" or "redirect" when one was injected
+    sent: int = 0  # bytes of the response body written to the socket (so far)
 
     def header(self, name: str) -> str | None:
         """The value of header ``name``, looked up case-insensitively."""
@@ -118,18 +129,31 @@ class RequestRecord:
         return (
             f"RequestRecord(method={self.method!r}, path={self.path!r}, query={self.query!r}, "
             f"headers={shown!r}, body_length={self.body_length}, client={self.client!r}, "
-            f"time={self.time:.3f}, status={self.status!r}, fault={self.fault!r})"
+            f"time={self.time:.3f}, status={self.status!r}, fault={self.fault!r}, sent={self.sent})"
         )
 
 
 @dataclass
 class _Fault:
-    kind: Literal["fail", "reset", "truncate"]
+    kind: Literal["fail", "reset", "truncate", "redirect"]
     remaining: int
     paths: str | None
     status: int = 503
     html: bool = False
     retry_after: int | None = None
+    detail: str | None = None
+    location: str = ""
+    downloads_only: bool = False  # only whole-file GETs (no Range header): not the intake's check
+
+
+@dataclass
+class _Generated:
+    """A resource made up on request instead of read from the uploads (see ``serve_generated``)."""
+
+    size: int | None  # None: without end
+    head: bytes
+    chunked: bool
+    gzip_body: bytes | None = None  # set: the whole (compressed) body, sent with Content-Encoding: gzip
 
 
 @dataclass
@@ -140,10 +164,19 @@ class _Response:
     headers: list[tuple[str, str]] = field(default_factory=list)
     file: Path | None = None
     file_size: int = 0
+    offset: int = 0  # where in ``file`` the body starts (a range)
+    stream: Callable[[], Iterator[bytes]] | None = None  # a generated body
+    stream_length: int | None = None  # its length, if declared; None: sent chunked
 
     @property
     def length(self) -> int:
+        if self.stream is not None:
+            return self.stream_length or 0
         return self.file_size if self.file is not None else len(self.body)
+
+    @property
+    def chunked(self) -> bool:
+        return self.stream is not None and self.stream_length is None
 
 
 def _json(status: int, payload: Any, headers: Iterable[tuple[str, str]] = ()) -> _Response:
@@ -297,8 +330,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         )
         app.log_request(record)
 
-        fault = app.take_fault(path)
-        wait = app.delay_for(path)
+        download = self.command == "GET" and "Range" not in self.headers
+        fault = app.take_fault(path, download=download)
+        wait = app.delay_for(path, download=download)
         if wait > 0:
             app.sleep(wait)
         if fault is not None:
@@ -308,10 +342,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return
         if fault is not None and fault.kind == "fail":
             response = _failure_response(fault)
+        elif fault is not None and fault.kind == "redirect":
+            response = _Response(fault.status, b"", "text/html; charset=utf-8", [("Location", fault.location)])
         else:
             response = app.route(self.command, path, query, self.headers, body)
         record.status = response.status
-        self._send(response, truncate=fault is not None and fault.kind == "truncate")
+        self._send(response, truncate=fault is not None and fault.kind == "truncate", record=record)
 
     def _reset(self) -> None:
         """Close the connection abruptly: no response, and an RST rather than a FIN."""
@@ -323,10 +359,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.rfile.close()  # drop the makefile() reference so that close() below is the real one
         self.connection.close()
 
-    def _send(self, response: _Response, *, truncate: bool) -> None:
+    def _send(self, response: _Response, *, truncate: bool, record: RequestRecord | None = None) -> None:
         self.send_response(response.status)
         self.send_header("Content-Type", response.content_type)
-        self.send_header("Content-Length", str(response.length))
+        if response.chunked:
+            self.send_header("Transfer-Encoding", "chunked")
+        else:
+            self.send_header("Content-Length", str(response.length))
         for name, value in response.headers:
             self.send_header(name, value)
         if truncate or self.close_connection:
@@ -336,18 +375,48 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if self.command == "HEAD":
             return
         limit = response.length // 2 if truncate else response.length
+
+        def write(data: bytes) -> None:
+            self.wfile.write(data)
+            if record is not None:
+                record.sent += len(data)
+
+        if response.stream is not None:
+            self._send_stream(response, limit, write)
+            return
         if response.file is None:
-            self.wfile.write(response.body[:limit])
+            write(response.body[:limit])
             return
         remaining = limit
         with response.file.open("rb") as fh:
+            fh.seek(response.offset)
             while remaining > 0:
                 chunk = fh.read(min(_CHUNK, remaining))
                 if not chunk:
                     self.close_connection = True  # the file shrank under us; the length is now a lie
                     break
-                self.wfile.write(chunk)
+                write(chunk)
                 remaining -= len(chunk)
+
+    def _send_stream(self, response: _Response, limit: int, write: Callable[[bytes], None]) -> None:
+        """A generated body: chunked (until the generator ends or the client hangs up), or raw up to
+        its declared length (``limit``: half of it for a truncate fault)."""
+        assert response.stream is not None
+        if response.chunked:
+            for chunk in response.stream():
+                self.wfile.write(f"{len(chunk):x}\r\n".encode())
+                write(chunk)
+                self.wfile.write(b"\r\n")
+            self.wfile.write(b"0\r\n\r\n")
+            return
+        remaining = limit
+        for chunk in response.stream():
+            if remaining <= 0:
+                break
+            write(chunk[:remaining])
+            remaining -= len(chunk[:remaining])
+        if remaining > 0:
+            self.close_connection = True  # the generator gave less than it declared
 
 
 def _failure_response(fault: _Fault) -> _Response:
@@ -359,13 +428,66 @@ def _failure_response(fault: _Fault) -> _Response:
     if fault.retry_after is not None:
         headers.append(("Retry-After", str(fault.retry_after)))
     if fault.html:
+        extra = f"<p>{fault.detail}</p>\r\n" if fault.detail is not None else ""
         html = (
             f"<html>\r\n<head><title>{fault.status} {phrase}</title></head>\r\n<body>\r\n"
-            f"<center><h1>{fault.status} {phrase}</h1></center>\r\n<hr><center>nginx</center>\r\n"
+            f"<center><h1>{fault.status} {phrase}</h1></center>\r\n{extra}<hr><center>nginx</center>\r\n"
             "</body>\r\n</html>\r\n"
         )
         return _Response(fault.status, html.encode(), "text/html; charset=utf-8", headers)
-    return _detail(fault.status, phrase, headers)
+    return _detail(fault.status, fault.detail if fault.detail is not None else phrase, headers)
+
+
+def _zeros(head: bytes, size: int | None, stopping: threading.Event) -> Iterator[bytes]:
+    """``head``, then zero bytes: ``size`` bytes in all, or without end (until the server stops)."""
+    sent = 0
+    first = head[:size] if size is not None else head
+    if first:
+        yield first
+        sent = len(first)
+    zeros = bytes(_CHUNK)
+    while (size is None or sent < size) and not stopping.is_set():
+        chunk = zeros if size is None else zeros[: size - sent]
+        yield chunk
+        sent += len(chunk)
+
+
+def _gzip_of_zeros(head: bytes, size: int) -> bytes:
+    """A gzip member that inflates to ``head`` and zeros, ``size`` bytes in all (a "gzip bomb")."""
+    packer = zlib.compressobj(9, zlib.DEFLATED, 31)
+    parts = [packer.compress(head[:size])]
+    left = size - len(head[:size])
+    zeros = bytes(1 << 20)
+    while left > 0:
+        parts.append(packer.compress(zeros[: min(left, len(zeros))]))
+        left -= min(left, len(zeros))
+    parts.append(packer.flush())
+    return b"".join(parts)
+
+
+def _byte_range(header: str | None, size: int) -> tuple[int, int] | Literal["unsatisfiable"] | None:
+    """The one range of a ``Range`` header as (first, last), clamped to ``size``; None to ignore the
+    header (absent, malformed, several ranges); "unsatisfiable" for a 416."""
+    if not header:
+        return None
+    match = _RANGE.fullmatch(header.strip())
+    if match is None:
+        return None
+    first_text, last_text = match.groups()
+    if not first_text and not last_text:
+        return None
+    if not first_text:  # the last N bytes
+        suffix = int(last_text)
+        if suffix == 0 or size == 0:
+            return "unsatisfiable"
+        return max(size - suffix, 0), size - 1
+    first = int(first_text)
+    if last_text and int(last_text) < first:
+        return None
+    if first >= size:
+        return "unsatisfiable"
+    last = int(last_text) if last_text else size - 1
+    return first, min(last, size - 1)
 
 
 class RodanStandin:
@@ -406,7 +528,9 @@ class RodanStandin:
         self._host = host
         self._port = port
         self._faults: list[_Fault] = []
-        self._delays: dict[str | None, float] = {}
+        self._delays: dict[tuple[str | None, bool], float] = {}  # (paths, downloads_only) -> seconds
+        self._generated: dict[str, _Generated] = {}
+        self._ignore_ranges: set[str | None] = set()
         self._log: list[RequestRecord] = []
         self._connections: set[socket.socket] = set()
         self._stopping = threading.Event()
@@ -559,35 +683,100 @@ class RodanStandin:
         *,
         html: bool = False,
         retry_after: int | None = None,
+        detail: str | None = None,
+        downloads_only: bool = False,
     ) -> None:
         """Answer the next ``n`` requests (whose path starts with ``paths``, if given) with ``status``.
 
-        The body is ``{"detail": "<reason phrase>"}`` or, with ``html=True``, an nginx-style HTML page.
+        The body is ``{"detail": "<reason phrase>"}`` (``detail`` replaces the phrase) or, with
+        ``html=True``, an nginx-style HTML page (showing ``detail`` too). ``retry_after`` adds a
+        ``Retry-After: <seconds>`` header (what nginx or Django send with 429 or 503).
+
+        ``downloads_only=True`` (here and in the other faults) matches only GETs of a whole file (no
+        ``Range`` header): the worker's download, not the bridge's ranged check of the input at intake.
         """
         if not 100 <= status <= 599:
             raise ValueError("status must be an HTTP status code")
-        self._add_fault(_Fault("fail", n, paths, status=status, html=html, retry_after=retry_after))
+        fault = _Fault(
+            "fail",
+            n,
+            paths,
+            status=status,
+            html=html,
+            retry_after=retry_after,
+            detail=detail,
+            downloads_only=downloads_only,
+        )
+        self._add_fault(fault)
 
-    def reset_next(self, n: int, paths: str | None = None) -> None:
+    def redirect_next(
+        self, n: int, location: str, paths: str | None = None, *, status: int = 302, downloads_only: bool = False
+    ) -> None:
+        """Answer the next ``n`` matching requests with a redirect (``status``) to ``location``."""
+        if status not in (301, 302, 303, 307, 308):
+            raise ValueError("status must be a redirect")
+        self._add_fault(_Fault("redirect", n, paths, status=status, location=location, downloads_only=downloads_only))
+
+    def reset_next(self, n: int, paths: str | None = None, *, downloads_only: bool = False) -> None:
         """Close the next ``n`` matching connections abruptly (RST), without any response."""
-        self._add_fault(_Fault("reset", n, paths))
+        self._add_fault(_Fault("reset", n, paths, downloads_only=downloads_only))
 
-    def truncate_next(self, n: int, paths: str | None = None) -> None:
+    def truncate_next(self, n: int, paths: str | None = None, *, downloads_only: bool = False) -> None:
         """Send the full ``Content-Length`` but only half of the body, then close, ``n`` times."""
-        self._add_fault(_Fault("truncate", n, paths))
+        self._add_fault(_Fault("truncate", n, paths, downloads_only=downloads_only))
 
-    def delay(self, seconds: float, paths: str | None = None) -> None:
+    def delay(self, seconds: float, paths: str | None = None, *, downloads_only: bool = False) -> None:
         """Sleep ``seconds`` before answering every matching request, until cleared (``seconds=0``)."""
         with self._lock:
             if seconds > 0:
-                self._delays[paths] = float(seconds)
+                self._delays[(paths, downloads_only)] = float(seconds)
             else:
-                self._delays.pop(paths, None)
+                self._delays.pop((paths, downloads_only), None)
+
+    def serve_generated(
+        self, path: str, size: int | None = None, *, head: bytes = PNG_SIGNATURE, chunked: bool = True
+    ) -> None:
+        """Serve ``path`` (under ``/uploads/``) from a generator instead of a file, until cleared.
+
+        The body is ``head`` (by default a PNG signature, so it passes a check of the file type),
+        then zero bytes: ``size`` bytes in all, or without end when ``size`` is None (until the
+        client hangs up or the server stops). ``chunked=True`` sends it with
+        ``Transfer-Encoding: chunked`` and no length (a streamed Django response); ``chunked=False``
+        declares ``Content-Length: size``. Nothing is stored, so the size can be anything. Ranges are
+        ignored (200, the whole body); HEAD gets the same headers.
+        """
+        if not path.startswith(UPLOADS_PREFIX):
+            raise ValueError(f"a generated resource lives under {UPLOADS_PREFIX}")
+        if size is None and not chunked:
+            raise ValueError("a body without end can only be sent chunked")
+        if size is not None and size < 0:
+            raise ValueError("size must be >= 0")
+        with self._lock:
+            self._generated[path] = _Generated(size, head, chunked)
+
+    def serve_gzip_bomb(self, path: str, inflated_size: int, *, head: bytes = PNG_SIGNATURE) -> None:
+        """Serve ``path`` gzip-compressed (``Content-Encoding: gzip``, whatever ``Accept-Encoding``
+        asked for), inflating to ``inflated_size`` bytes (``head`` then zeros) from about a
+        thousandth of that on the wire. Until cleared."""
+        if not path.startswith(UPLOADS_PREFIX):
+            raise ValueError(f"a generated resource lives under {UPLOADS_PREFIX}")
+        body = _gzip_of_zeros(head, inflated_size)
+        with self._lock:
+            self._generated[path] = _Generated(inflated_size, head, chunked=False, gzip_body=body)
+
+    def ignore_range(self, paths: str | None = None) -> None:
+        """Answer ranged GETs of matching paths with 200 and the whole file, until cleared (as a
+        server without range support, or nginx with ``max_ranges 0``, does)."""
+        with self._lock:
+            self._ignore_ranges.add(paths)
 
     def clear_faults(self) -> None:
+        """Forget every injected fault, delay, generated resource and ignored range."""
         with self._lock:
             self._faults.clear()
             self._delays.clear()
+            self._generated.clear()
+            self._ignore_ranges.clear()
 
     def _add_fault(self, fault: _Fault) -> None:
         if fault.remaining < 0:
@@ -596,20 +785,27 @@ class RodanStandin:
             with self._lock:
                 self._faults.append(fault)
 
-    def take_fault(self, path: str) -> _Fault | None:
-        """The first pending fault (in the order they were set) that matches ``path``, consumed."""
+    def take_fault(self, path: str, *, download: bool = True) -> _Fault | None:
+        """The first pending fault (in the order they were set) that matches ``path``, consumed.
+
+        ``download``: the request is a GET of the whole file (faults set ``downloads_only`` match
+        only those)."""
         with self._lock:
             for fault in self._faults:
-                if fault.paths is None or path.startswith(fault.paths):
+                if (fault.paths is None or path.startswith(fault.paths)) and (download or not fault.downloads_only):
                     fault.remaining -= 1
                     if fault.remaining <= 0:
                         self._faults.remove(fault)
                     return fault
         return None
 
-    def delay_for(self, path: str) -> float:
+    def delay_for(self, path: str, *, download: bool = True) -> float:
         with self._lock:
-            matching = [s for p, s in self._delays.items() if p is None or path.startswith(p)]
+            matching = [
+                s
+                for (p, only), s in self._delays.items()
+                if (p is None or path.startswith(p)) and (download or not only)
+            ]
         return max(matching, default=0.0)
 
     def sleep(self, seconds: float) -> None:
@@ -671,7 +867,11 @@ class RodanStandin:
                 user, failure = self._authenticate(headers)
                 if user is None:
                     return failure or _unauthenticated()
-            return self._upload(path)
+            with self._lock:
+                generated = self._generated.get(path)
+            if generated is not None:
+                return self._generate(generated)
+            return self._upload(path, None if method == "HEAD" else headers.get("Range"))
         return _detail(404, "Not found.")
 
     def _user_json(self, user: User, headers: Any) -> dict[str, Any]:
@@ -758,7 +958,22 @@ class RodanStandin:
             return None, _unauthenticated("User inactive or deleted.")
         return user, None
 
-    def _upload(self, path: str) -> _Response:
+    def _generate(self, spec: _Generated) -> _Response:
+        if spec.gzip_body is not None:
+            return _Response(
+                200,
+                spec.gzip_body,
+                "application/octet-stream",
+                [("Content-Encoding", "gzip"), ("Vary", "Accept-Encoding")],
+            )
+        return _Response(
+            200,
+            content_type="application/octet-stream",
+            stream=lambda: _zeros(spec.head, spec.size, self._stopping),
+            stream_length=None if spec.chunked else spec.size,
+        )
+
+    def _upload(self, path: str, range_header: str | None = None) -> _Response:
         relative = urllib.parse.unquote(path[len(UPLOADS_PREFIX) :])
         if not relative or "\x00" in relative:
             return _detail(404, "Not found.")
@@ -772,7 +987,24 @@ class RodanStandin:
             size = target.stat().st_size
         except OSError:
             return _detail(404, "Not found.")
-        return _Response(200, content_type="application/octet-stream", file=target, file_size=size)
+        with self._lock:
+            ignore = any(p is None or path.startswith(p) for p in self._ignore_ranges)
+        accept = [] if ignore else [("Accept-Ranges", "bytes")]
+        wanted = None if ignore else _byte_range(range_header, size)
+        if wanted == "unsatisfiable":
+            phrase = HTTPStatus.REQUESTED_RANGE_NOT_SATISFIABLE.phrase
+            return _detail(416, phrase, [("Content-Range", f"bytes */{size}")])
+        if wanted is not None:
+            first, last = wanted
+            return _Response(
+                206,
+                content_type="application/octet-stream",
+                headers=[*accept, ("Content-Range", f"bytes {first}-{last}/{size}")],
+                file=target,
+                file_size=last - first + 1,
+                offset=first,
+            )
+        return _Response(200, content_type="application/octet-stream", headers=accept, file=target, file_size=size)
 
 
 def _not_allowed(method: str, allow: str) -> _Response:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +16,18 @@ from worker.trainer.errors import TrainingInputError
 
 #: A layer (or the selected regions) covers the pixels whose alpha is exactly this.
 OPAQUE = 255
+#: The only formats an input is opened as (PROTOCOL.md: the image is a PNG or JPEG, the layers
+#: RGBA PNGs). Nothing else is even identified: no EPS (Ghostscript), TIFF, BMP, GIF, ...
+FORMATS = ("PNG", "JPEG")
+#: The pixel limit (width x height) of one image when the caller gives none; the worker passes
+#: the bridge's HPC_MAX_INPUT_PIXELS (the same default).
+DEFAULT_MAX_PIXELS = 400_000_000
+
+# Pillow's own decompression-bomb check reads the module-wide Image.MAX_IMAGE_PIXELS (a warning
+# above it, an error above twice it). _open checks the caller's limit itself, from the header, so
+# Pillow's check is off (None) for the few header-reading instructions of one Image.open, under
+# this lock, and the previous value is back when it returns.
+_PIXEL_LIMIT_LOCK = threading.Lock()
 
 _SIXTEEN_BIT_GREY = {"I", "I;16", "I;16B", "I;16L", "I;16N"}
 
@@ -39,17 +53,67 @@ class Page:
         return int(self.image.shape[1])
 
 
-def _open(path: Path, what: str) -> Image.Image:
-    """Decode ``path`` fully, turning anything but a missing file into TrainingInputError."""
+@contextmanager
+def _own_pixel_check() -> Iterator[None]:
+    """Pillow's global pixel limit off for one open: the caller checks its own limit instead.
+
+    Neither Pillow's default limit (about 89 million pixels, far below HPC_MAX_INPUT_PIXELS'
+    default) decides, nor is a global left changed for other code.
+    """
+    with _PIXEL_LIMIT_LOCK:
+        saved = Image.MAX_IMAGE_PIXELS
+        Image.MAX_IMAGE_PIXELS = None
+        try:
+            yield
+        finally:
+            Image.MAX_IMAGE_PIXELS = saved
+
+
+def _too_large(what: str, path: Path, max_pixels: int, size: str = "") -> TrainingInputError:
+    return TrainingInputError(
+        f"{what} ({path.name}) is larger{size} than the limit of {max_pixels} pixels per image (HPC_MAX_INPUT_PIXELS)"
+    )
+
+
+def _open(path: Path, what: str, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:
+    """Decode ``path`` fully as a PNG or JPEG of at most ``max_pixels`` pixels.
+
+    Anything but a missing file becomes TrainingInputError: another format (identified by no
+    decoder, so none of Pillow's other plugins ever runs), an image over the limit (refused from
+    its header, before any pixel is decoded), or a broken file.
+    """
     try:
-        with Image.open(path) as opened:
-            opened.load()
-            loaded: Image.Image = opened.copy()
-            return loaded
+        with _own_pixel_check():
+            opened = Image.open(path, formats=list(FORMATS))
     except FileNotFoundError:
         raise
-    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, SyntaxError, ValueError) as exc:
+    except UnidentifiedImageError as exc:
+        raise TrainingInputError(
+            f"{what} ({path.name}) is not a readable image: not a PNG or JPEG file ({_first_bytes(path)})"
+        ) from exc
+    except (OSError, SyntaxError, ValueError) as exc:
         raise TrainingInputError(f"{what} ({path.name}) is not a readable image: {exc}") from exc
+    with opened:
+        width, height = opened.size
+        if width * height > max_pixels:
+            raise _too_large(what, path, max_pixels, f" ({width}x{height} pixels)")
+        try:
+            opened.load()
+            loaded: Image.Image = opened.copy()
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+            raise _too_large(what, path, max_pixels) from exc  # a frame larger than the header said
+        except (OSError, SyntaxError, ValueError) as exc:
+            raise TrainingInputError(f"{what} ({path.name}) is not a readable image: {exc}") from exc
+    return loaded
+
+
+def _first_bytes(path: Path) -> str:
+    try:
+        with path.open("rb") as handle:
+            head = handle.read(16)
+    except OSError:
+        return "it cannot be read"
+    return f"it starts with {head.hex()}" if head else "it is empty"
 
 
 def _has_alpha(image: Image.Image) -> bool:
@@ -89,19 +153,26 @@ def _check_size(width: int, height: int, image: Image.Image, what: str) -> None:
         )
 
 
-def load_page(image_path: Path, layer_paths: Mapping[str, Path], selected_regions_path: Path | None) -> Page:
+def load_page(
+    image_path: Path,
+    layer_paths: Mapping[str, Path],
+    selected_regions_path: Path | None,
+    *,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+) -> Page:
     """Load a page as Rodan's trainer does.
 
-    The image may be any format Pillow decodes (PNG or JPEG in practice); RGBA and grey
-    images become RGB. Each layer and the selected regions are RGBA PNGs that cover the
-    pixels whose alpha is 255; every layer mask is ANDed with the selected regions
-    (without ``selected_regions_path`` the whole page counts as selected). The masks keep
-    the order of ``layer_paths``.
+    The image is a PNG or JPEG (nothing else is opened); RGBA and grey images become RGB.
+    Each layer and the selected regions are RGBA PNGs that cover the pixels whose alpha is
+    255; every layer mask is ANDed with the selected regions (without
+    ``selected_regions_path`` the whole page counts as selected). The masks keep the order
+    of ``layer_paths``. No file may have more than ``max_pixels`` pixels (width x height).
 
-    Raises TrainingInputError if a file is not a decodable image, a layer has no alpha
-    channel, or sizes differ. A missing file raises FileNotFoundError.
+    Raises TrainingInputError if a file is not a decodable PNG or JPEG, is over the pixel
+    limit, a layer has no alpha channel, or sizes differ. A missing file raises
+    FileNotFoundError.
     """
-    image = _open(Path(image_path), "the image")
+    image = _open(Path(image_path), "the image", max_pixels)
     pixels = _rgb(image)
     height, width = pixels.shape[:2]  # EXIF rotation may have swapped them
     del image
@@ -110,7 +181,7 @@ def load_page(image_path: Path, layer_paths: Mapping[str, Path], selected_region
     if selected_regions_path is not None:
         path = Path(selected_regions_path)
         what = "the selected regions"
-        picture = _open(path, what)
+        picture = _open(path, what, max_pixels)
         _check_size(width, height, picture, what)
         regions = _opaque(picture, what, path)
 
@@ -118,7 +189,7 @@ def load_page(image_path: Path, layer_paths: Mapping[str, Path], selected_region
     for label, layer_path in layer_paths.items():
         path = Path(layer_path)
         what = f"layer {label!r}"
-        picture = _open(path, what)
+        picture = _open(path, what, max_pixels)
         _check_size(width, height, picture, what)
         mask = _opaque(picture, what, path)
         masks[label] = mask if regions is None else np.logical_and(mask, regions)
