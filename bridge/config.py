@@ -6,6 +6,7 @@ malformed setting raises :class:`ConfigError` naming it, at start-up.
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import shlex
 import stat
@@ -18,6 +19,8 @@ from urllib.parse import quote, unquote, urlsplit
 from dotenv import dotenv_values
 
 from bridge.errors import ConfigError
+from bridge.protocol import without_private
+from bridge.rodan import DEFAULT_MAX_INPUT_BYTES, DEFAULT_MAX_INPUT_PIXELS
 
 DEFAULT_CREDENTIALS = Path("credentials.env")
 #: HPC_MIXED_PRECISION's values: the trainer's TrainSettings.mixed_precision (worker/trainer/settings.py).
@@ -57,7 +60,15 @@ class BridgeConfig:
     gpu_rules: tuple[GpuRule, ...] = (GpuRule(0, "gpu:1"),)
     scheduler_args: tuple[str, ...] = ()
     worker_python: str = sys.executable
-    max_attempts: int = 5
+    reply_queue_patterns: tuple[str, ...] = ("hpc-results",)  # reply_to must match one (fnmatch)
+    reply_wait_s: float = 86400.0  # a staged reply whose queue does not exist expires after this long
+    defer_limit_s: float = 1800.0  # how long a request may be deferred (Rodan or the scheduler down)
+    max_pending_s: float = 3 * 86400.0  # a job PENDING longer is cancelled and answered with the reason
+    drain_batch: int = 100  # messages taken per pass before reconciling
+    retention_days: float = 30.0  # settled records, job folders and run directories kept this long
+    poison_limit: int = 3  # deliveries that crashed a process before a message is quarantined
+    max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES  # one input file, raw bytes on the wire
+    max_input_pixels: int = DEFAULT_MAX_INPUT_PIXELS  # one input image, width x height
     max_reply_bytes: int = 128 * 1024 * 1024
     rodan_timeout_s: float = 30.0
     rodan_retries: int = 4
@@ -104,6 +115,22 @@ class BridgeConfig:
     def warn_seconds_for(self, time_minutes: int) -> int:
         """The warning before a job's limit: ``warn_seconds``, but at most half the limit."""
         return min(self.warn_seconds, time_minutes * 60 // 2)
+
+    def accepts_reply_to(self, queue: str) -> bool:
+        """Whether a request's ``reply_to`` names Rodan's reply queue (``HPC_REPLY_QUEUE``)."""
+        return any(fnmatch.fnmatchcase(queue, pattern) for pattern in self.reply_queue_patterns)
+
+    def public(self, text: str) -> str:
+        """``text`` (an error reason) without this installation's paths or account names."""
+        paths = {str(self.spool_dir): "<spool>", str(Path.home()): "<home>"}
+        if self.runs_dir is not None:
+            paths[str(self.runs_dir)] = "<runs>"
+        venv = Path(self.worker_python).parent.parent
+        if len(venv.parts) > 2:
+            paths[str(venv)] = "<worker environment>"
+        names = {self.slurm_account: "<account>", self.sge_project: "<project>"}
+        names.update({self.slurm_partition: "<partition>", self.sge_queue: "<queue>"})
+        return without_private(text, paths, names)
 
     @property
     def rodan_base_url(self) -> str:
@@ -176,6 +203,7 @@ def load_config(credentials: Path | None = None, environ: Mapping[str, str] | No
             f"HPC_WORKER_PYTHON must be an absolute path, got {worker_python!r}: batch jobs start with the "
             "cluster's login PATH (Grid Engine resets it), not yours"
         )
+    reply_patterns = parse_reply_queues(get.text("HPC_REPLY_QUEUE", "hpc-results"))
     log_file = get.text("HPC_LOG_FILE", "")
     metrics_file = get.text("HPC_METRICS_FILE", "")
     return BridgeConfig(
@@ -186,7 +214,7 @@ def load_config(credentials: Path | None = None, environ: Mapping[str, str] | No
         rodan_email=rodan_email,
         rodan_password=get.required("RODAN_PASSWORD"),
         request_queue=get.text("HPC_REQUEST_QUEUE", "hpc-jobs"),
-        reply_queue=get.text("HPC_REPLY_QUEUE", "hpc-results"),
+        reply_queue=reply_patterns[0],
         dead_letter_queue=get.text("HPC_DEAD_LETTER_QUEUE", "hpc-bridge.dead-letter"),
         spool_dir=Path(get.text("HPC_SPOOL_DIR", str(Path.home() / "hpc-bridge-spool"))).expanduser(),
         scheduler=scheduler,
@@ -200,7 +228,15 @@ def load_config(credentials: Path | None = None, environ: Mapping[str, str] | No
         gpu_rules=parse_gpu_rules(get.text("HPC_GPU_RULES", "gpu:1")),
         scheduler_args=tuple(_split("HPC_SCHEDULER_ARGS", get.text("HPC_SCHEDULER_ARGS", ""))),
         worker_python=worker_python,
-        max_attempts=get.integer("HPC_MAX_ATTEMPTS", 5, minimum=1),
+        reply_queue_patterns=reply_patterns,
+        reply_wait_s=get.number("HPC_REPLY_WAIT", 86400.0),
+        defer_limit_s=get.number("HPC_DEFER_LIMIT", 1800.0),
+        max_pending_s=get.number("HPC_MAX_PENDING", 3 * 86400.0),
+        drain_batch=get.integer("HPC_DRAIN_BATCH", 100, minimum=1),
+        retention_days=get.number("HPC_RETENTION_DAYS", 30.0),
+        poison_limit=get.integer("HPC_POISON_LIMIT", 3, minimum=1),
+        max_input_bytes=get.integer("HPC_MAX_INPUT_BYTES", DEFAULT_MAX_INPUT_BYTES, minimum=1024),
+        max_input_pixels=get.integer("HPC_MAX_INPUT_PIXELS", DEFAULT_MAX_INPUT_PIXELS, minimum=1024),
         max_reply_bytes=get.integer("HPC_MAX_REPLY_BYTES", 128 * 1024 * 1024, minimum=1024),
         rodan_timeout_s=get.number("HPC_RODAN_TIMEOUT", 30.0),
         rodan_retries=get.integer("HPC_RODAN_RETRIES", 4, minimum=0),
@@ -244,6 +280,18 @@ def broker_url_from(raw: Mapping[str, str]) -> str:
     password = quote(raw.get("RABBITMQ_PASSWORD", "guest"), safe="")
     vhost = quote(raw.get("RABBITMQ_VHOST", "/"), safe="")
     return f"{'amqps' if tls else 'amqp'}://{user}:{password}@{host}:{port}/{vhost}"
+
+
+def parse_reply_queues(text: str) -> tuple[str, ...]:
+    """``"hpc-results"`` or ``"hpc-results, rodan-*-results"``: names or fnmatch patterns. The first
+    is the queue ``enqueue`` and the docs use; a request whose ``reply_to`` matches none is refused."""
+    patterns = tuple(p.strip() for p in text.split(",") if p.strip())
+    if not patterns:
+        raise ConfigError("HPC_REPLY_QUEUE is empty")
+    for pattern in patterns:
+        if len(pattern.encode("utf-8")) > 255 or any(c.isspace() or ord(c) < 32 for c in pattern):
+            raise ConfigError(f"HPC_REPLY_QUEUE entry {pattern!r} is not a queue name or pattern")
+    return patterns
 
 
 def parse_gpu_rules(text: str) -> tuple[GpuRule, ...]:

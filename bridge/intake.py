@@ -9,23 +9,33 @@ Order of durable steps (a crash between any two is harmless):
 ledger RECEIVED -> parameter file + batch script -> ledger SUBMITTING -> submit
 -> ledger SUBMITTED -> (runner) ack. A redelivered message whose record says
 SUBMITTING is first looked up at the scheduler by its job name.
+
+Nothing a message holds can make ``process`` raise: the message's properties are
+taken apart defensively (``Message.from_delivery``), parsing raises only
+``InvalidRequest``, and any other exception becomes an error reply naming an
+internal error. A message whose handling killed the process (``deliveries``, counted
+in the ledger before the work and cleared after) is quarantined after
+``HPC_POISON_LIMIT`` such deliveries: error reply and dead letter, never processed again.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from enum import Enum
 from pathlib import Path
 
+import pika
 import structlog
+from pika.spec import Basic
 
 from bridge.config import BridgeConfig
-from bridge.errors import PermanentError, SchedulerRejected, TransientError
+from bridge.errors import PermanentError, RodanAuthError, SchedulerRejected, TransientError
 from bridge.faults import fault_point
 from bridge.ledger import Ledger, RequestRecord, RequestState
-from bridge.protocol import JobRequest, error_reply, parse_request
+from bridge.protocol import JobRequest, bounded, error_reply, parse_request
 from bridge.replies import ReplyBox
 from bridge.rodan import RodanClient
 from bridge.schedulers import JobSpec, Scheduler
@@ -42,6 +52,22 @@ REFUSED_HINT = (
 )
 
 
+#: AMQP short strings are at most 255 bytes; pika hands over one that is not UTF-8 as ``bytes``.
+MAX_PROPERTY_BYTES = 255
+
+
+def text_property(value: object) -> str | None:
+    """A message property as a usable string, or None (missing, empty, not UTF-8, not a string)."""
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+    if not isinstance(value, str) or not value or len(value.encode("utf-8")) > MAX_PROPERTY_BYTES:
+        return None
+    return value
+
+
 @dataclass(frozen=True)
 class Message:
     """A request as taken from the queue."""
@@ -51,6 +77,17 @@ class Message:
     reply_to: str | None
     redelivered: bool
     delivery_tag: int
+
+    @classmethod
+    def from_delivery(cls, method: Basic.GetOk, properties: pika.BasicProperties, body: bytes) -> Message:
+        """What ``basic_get`` returned, with every property checked: nothing here trusts the sender."""
+        return cls(
+            body=bytes(body) if isinstance(body, (bytes, bytearray)) else b"",
+            correlation_id=text_property(properties.correlation_id),
+            reply_to=text_property(properties.reply_to),
+            redelivered=bool(method.redelivered),
+            delivery_tag=int(method.delivery_tag),
+        )
 
 
 class Outcome(str, Enum):
@@ -88,15 +125,57 @@ class Intake:
         self._token_at = 0.0
 
     def process(self, msg: Message) -> Decision:
+        """Decide one message. Raises only when the spool cannot be written (the runner defers it)."""
         if not msg.correlation_id or not msg.reply_to:
             missing = "correlation_id" if not msg.correlation_id else "reply_to"
             log.error("request_unanswerable", missing=missing, bytes=len(msg.body))
-            return Decision(Outcome.UNANSWERABLE, f"message has no {missing}: cannot reply")
-        record = self.ledger.open(msg.correlation_id, msg.reply_to)
-        with structlog.contextvars.bound_contextvars(
-            correlation_id=msg.correlation_id, attempt=record.attempts + 1, redelivered=msg.redelivered
-        ):
-            return self._process(msg, record)
+            return Decision(Outcome.UNANSWERABLE, f"message has no usable {missing}: cannot reply")
+        if not self.config.accepts_reply_to(msg.reply_to):
+            # Replies go only to Rodan's queue: not to our own request or dead-letter queue, nor to
+            # another application's, nor to a queue nobody will ever declare.
+            log.error("request_foreign_reply_to", correlation_id=msg.correlation_id, reply_to=msg.reply_to)
+            return Decision(
+                Outcome.UNANSWERABLE,
+                f"reply_to {msg.reply_to!r} is not Rodan's reply queue (HPC_REPLY_QUEUE): no reply is sent",
+            )
+        with structlog.contextvars.bound_contextvars(correlation_id=msg.correlation_id, redelivered=msg.redelivered):
+            record = self.ledger.open(msg.correlation_id, msg.reply_to)
+            counted = not record.state.is_final and record.state is not RequestState.SUBMITTED
+            if counted:
+                if record.deliveries >= self.config.poison_limit:
+                    return self._quarantine(record)
+                record.deliveries += 1
+                self.ledger.save(record)  # if this delivery kills the process, the next one knows
+            with structlog.contextvars.bound_contextvars(attempt=record.attempts + 1):
+                try:
+                    decision = self._process(msg, record)
+                except Exception as exc:  # a defect, not the request's fault: answer it, keep going
+                    log.error("request_crashed", error=f"{type(exc).__name__}: {bounded(str(exc), 300)}", exc_info=True)
+                    decision = self._reject(
+                        record,
+                        f"internal error in the HPC bridge while handling this request ({type(exc).__name__}); "
+                        "the operator's log has the details (event request_crashed)",
+                    )
+            if counted and record.deliveries:
+                record.deliveries = 0
+                self.ledger.save(record)
+            return decision
+
+    def _quarantine(self, record: RequestRecord) -> Decision:
+        """A request whose handling stopped the process ``deliveries`` times: never handled again."""
+        log.error("request_quarantined", deliveries=record.deliveries, state=record.state.value)
+        record.deliveries = 0
+        if record.state is RequestState.SUBMITTING:
+            try:  # killed after the submit: the job is the answer, not an error reply
+                if self._adopt_existing_job(record):
+                    return Decision(Outcome.SUBMITTED, record=record)
+            except Exception as exc:  # the scheduler is down, or worse: the request is set aside anyway
+                log.warning("request_quarantine_lookup_failed", error=f"{type(exc).__name__}: {exc}")
+        return self._reject(
+            record,
+            f"the HPC bridge stopped {self.config.poison_limit} times while handling this request (a crash "
+            "or a kill); it was set aside in the dead-letter queue without being processed again",
+        )
 
     def _process(self, msg: Message, record: RequestRecord) -> Decision:
         if record.state in (RequestState.SUBMITTED, RequestState.REPLIED):
@@ -111,25 +190,38 @@ class Intake:
             # rather than submit twice. The scheduler may be down for this lookup too: defer then.
             if record.state is RequestState.SUBMITTING and self._adopt_existing_job(record):
                 return Decision(Outcome.SUBMITTED, record=record)
-            request = parse_request(msg.body, correlation_id=msg.correlation_id or "", reply_to=msg.reply_to or "")
+            request = parse_request(
+                msg.body,
+                correlation_id=msg.correlation_id or "",
+                reply_to=msg.reply_to or "",
+                rodan_origin=self.config.rodan_base_url,
+            )
             record.generation = request.generation.value
             log.info("request_valid", generation=request.generation.value, layers=len(request.layers))
             token = self._get_token()
+            self._check_inputs(request.inputs)
             job_id = self._submit(request, record, token)
         except SchedulerRejected as exc:
             return self._reject(record, f"{self.scheduler.display_name} refused the job: {exc}. {REFUSED_HINT}")
         except PermanentError as exc:
             return self._reject(record, str(exc))
         except TransientError as exc:
+            now = time.time()
             record.attempts += 1
-            record.reason = str(exc)
-            if record.attempts >= self.config.max_attempts:
-                return self._reject(record, f"gave up after {record.attempts} attempts over several passes: {exc}")
+            record.reason = bounded(str(exc))
+            record.deferred_since = record.deferred_since or now
+            waited = now - record.deferred_since
+            if waited >= self.config.defer_limit_s:
+                return self._reject(
+                    record,
+                    f"gave up after retrying for {_minutes(waited)} ({record.attempts} attempts, "
+                    f"HPC_DEFER_LIMIT): {exc}",
+                )
             if record.state is not RequestState.SUBMITTING:
                 record.state = RequestState.RECEIVED
             self.ledger.save(record)
-            log.warning("request_deferred", error=str(exc), attempts=record.attempts)
-            return Decision(Outcome.DEFERRED, str(exc), record)
+            log.warning("request_deferred", error=record.reason, attempts=record.attempts, waited_s=round(waited, 1))
+            return Decision(Outcome.DEFERRED, record.reason, record)
         log.info("request_submitted", job_id=job_id, scheduler=self.scheduler.name)
         return Decision(Outcome.SUBMITTED, record=record)
 
@@ -141,6 +233,25 @@ class Intake:
         self._token_at = time.monotonic()
         log.info("rodan_token_obtained", rodan=self.config.rodan_base_url)
         return self._token
+
+    def _check_inputs(self, inputs: Mapping[str, str]) -> None:
+        """Every input exists at Rodan, is under HPC_MAX_INPUT_BYTES and is a PNG or JPEG: a request
+        that would fail in its download is refused now, not after hours in the scheduler's queue."""
+        checked: set[str] = set()
+        for name, resource in inputs.items():
+            if resource in checked:
+                continue
+            try:
+                info = self.rodan.check_input(resource, name=name, max_bytes=self.config.max_input_bytes)
+            except RodanAuthError:
+                if not checked and self._token:  # a cached token Rodan no longer takes: once more, fresh
+                    self._token = ""
+                    self._get_token()
+                    info = self.rodan.check_input(resource, name=name, max_bytes=self.config.max_input_bytes)
+                else:
+                    raise
+            checked.add(resource)
+            log.debug("input_checked", input=name, bytes=info.bytes, kind=info.kind)
 
     def _submit(self, request: JobRequest, record: RequestRecord, token: str) -> str:
         key = record.key
@@ -173,6 +284,7 @@ class Intake:
         record.job_ids = [job_id]
         record.submitted_at = time.time()
         record.reason = ""
+        record.deferred_since = 0.0
         self.ledger.save(record)
         fault_point("after_record")
         structlog.contextvars.bind_contextvars(job_id=job_id)
@@ -219,6 +331,11 @@ class Intake:
             "mixed_precision": self.config.mixed_precision,
             "seed": self.config.training_seed,
             "max_reply_bytes": self.config.max_reply_bytes,
+            # What the worker may download and open (HPC_MAX_INPUT_BYTES, HPC_MAX_INPUT_PIXELS).
+            "limits": {
+                "max_input_bytes": self.config.max_input_bytes,
+                "max_input_pixels": self.config.max_input_pixels,
+            },
             # How the job continues itself after a time-limit warning (worker/continuation.py).
             "job": {
                 "scheduler": self.scheduler.name,
@@ -247,6 +364,7 @@ class Intake:
         return True
 
     def _reject(self, record: RequestRecord, reason: str) -> Decision:
+        reason = bounded(self.config.public(reason))
         log.error("request_rejected", reason=reason)
         record.state = RequestState.REJECTED
         record.reason = reason
@@ -256,3 +374,7 @@ class Intake:
         self.spool.params_path(record.key).unlink(missing_ok=True)
         self.replies.stage(record.correlation_id, record.reply_to, error_reply(reason), origin="bridge")
         return Decision(Outcome.REJECTED, reason, record)
+
+
+def _minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)} min {int(seconds % 60)} s" if seconds >= 60 else f"{int(seconds)} s"

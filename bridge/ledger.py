@@ -56,6 +56,9 @@ class RequestRecord:
     replied_at: float = 0.0
     missing_since: float = 0.0
     dead_lettered: bool = False
+    deliveries: int = 0  # times intake began on this request without finishing: a crash or kill (poison count)
+    deferred_since: float = 0.0  # first transient failure of the current run of them (HPC_DEFER_LIMIT)
+    pending_since: float = 0.0  # when reconciliation first saw the job PENDING this time (HPC_MAX_PENDING)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -74,11 +77,11 @@ class Ledger:
     def __init__(self, spool: Spool) -> None:
         self.spool = spool
 
-    def _path(self, key: str) -> Path:
+    def path(self, key: str) -> Path:
         return self.spool.ledger_dir / f"{key}.json"
 
     def get(self, correlation_id: str) -> RequestRecord | None:
-        path = self._path(safe_key(correlation_id))
+        path = self.path(safe_key(correlation_id))
         if not path.exists():
             return None
         return RequestRecord.from_json(read_json(path))
@@ -92,7 +95,7 @@ class Ledger:
 
     def save(self, record: RequestRecord) -> None:
         record.updated_at = time.time()
-        atomic_write_json(self._path(record.key), record.to_json())
+        atomic_write_json(self.path(record.key), record.to_json())
 
     def adopt_job(self, record: RequestRecord, job_ids: list[str]) -> None:
         """A submit whose outcome was not recorded (a crash, a lost message) did make a job: the
@@ -119,7 +122,7 @@ def reopen_for_requeue(record: RequestRecord) -> RequestRecord:
 
     ``Intake`` treats a REJECTED record as a duplicate once it was dead-lettered, and a SUBMITTED or
     REPLIED one as done, so a request put back on the queue is only processed afresh from RECEIVED.
-    Attempts start again from 0 (so ``HPC_MAX_ATTEMPTS`` applies anew), and the outcome, reason and
+    Attempts and the deferral clock start again (so ``HPC_DEFER_LIMIT`` applies anew), and the outcome, reason and
     job fields of the previous try are cleared; ``created_at`` is kept. Save it with ``Ledger.save``.
     """
     record.state = RequestState.RECEIVED
@@ -136,4 +139,7 @@ def reopen_for_requeue(record: RequestRecord) -> RequestRecord:
     record.replied_at = 0.0
     record.missing_since = 0.0
     record.dead_lettered = False
+    record.deliveries = 0
+    record.deferred_since = 0.0
+    record.pending_since = 0.0
     return record

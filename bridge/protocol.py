@@ -21,6 +21,8 @@ import jsonschema
 from bridge.errors import InvalidRequest
 
 MAX_BODY_BYTES = 1 << 20  # a request is a few hundred bytes; anything this big is not Rodan's
+#: An error reason is cut to this many characters wherever it goes (reply, ledger, log, dead letter).
+MAX_REASON_CHARS = 1000
 
 
 class Generation(str, Enum):
@@ -91,6 +93,8 @@ REQUEST_SCHEMA: dict[str, Any] = {
     "properties": {
         "inputs": {
             "type": "object",
+            "maxProperties": 32,
+            "propertyNames": {"maxLength": 64},
             "additionalProperties": {"type": "string", "minLength": 1, "maxLength": 4096},
         },
         "settings": {
@@ -103,7 +107,8 @@ _validator = jsonschema.Draft202012Validator(REQUEST_SCHEMA)
 
 # Matched with fullmatch: a '$' would also accept a trailing newline (into a batch-script directive).
 _DURATION = re.compile(r"([0-9]{1,3})-([0-9]{2}):([0-9]{2})")
-_EMAIL = re.compile(r"[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9-]{1,63}(\.[A-Za-z0-9-]{1,63})+")
+# Neither part may begin with '-': the address is an argument of sbatch --mail-user / qsub -M.
+_EMAIL = re.compile(r"[A-Za-z0-9._%+][A-Za-z0-9._%+-]{0,63}@[A-Za-z0-9][A-Za-z0-9-]{0,62}(\.[A-Za-z0-9-]{1,63})+")
 
 
 @dataclass(frozen=True)
@@ -147,6 +152,22 @@ def format_duration(minutes: int) -> str:
     return f"{days}-{rest // 60:02d}:{rest % 60:02d}"
 
 
+def bounded(reason: str, limit: int = MAX_REASON_CHARS) -> str:
+    """``reason`` cut to ``limit`` characters (a request can make a reason as long as itself)."""
+    return reason if len(reason) <= limit else reason[: limit - 13] + " (truncated)"
+
+
+def without_private(text: str, paths: Mapping[str, str], names: Mapping[str, str]) -> str:
+    """``text`` for Rodan's users: each of ``paths`` (a path prefix -> its placeholder, e.g. the
+    spool -> ``<spool>``) and of ``names`` (a whole word such as an account -> ``<account>``)
+    replaced. Error replies are shown to everyone who can open the Rodan job."""
+    for path in sorted((p for p in paths if len(p) > 1), key=len, reverse=True):
+        text = text.replace(path, paths[path])
+    for name in sorted((n for n in names if n), key=len, reverse=True):
+        text = re.sub(rf"(?<![\w.-]){re.escape(name)}(?![\w-])", names[name], text)
+    return text
+
+
 def decode_body(body: bytes) -> dict[str, Any]:
     if len(body) > MAX_BODY_BYTES:
         raise InvalidRequest(f"request body is {len(body)} bytes, more than the {MAX_BODY_BYTES} allowed")
@@ -158,11 +179,28 @@ def decode_body(body: bytes) -> dict[str, Any]:
         raise InvalidRequest("request body is not valid JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object with 'inputs' and 'settings'")
+    try:  # JSON's \ud800 escapes decode to lone surrogates, which no file, log or reply can hold
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest("request body is not valid JSON: it holds an unpaired surrogate") from None
     return data
 
 
-def parse_request(body: bytes, *, correlation_id: str, reply_to: str) -> JobRequest:
-    """Validate a raw request body; raise :class:`InvalidRequest` with every problem found."""
+def parse_request(body: bytes, *, correlation_id: str, reply_to: str, rodan_origin: str = "") -> JobRequest:
+    """Validate a raw request body; raise :class:`InvalidRequest` with every problem found.
+
+    ``rodan_origin`` (``https://host[:port]``): absolute resource URLs must point there. Nothing but
+    :class:`InvalidRequest` leaves this function, whatever the body holds.
+    """
+    try:
+        return _parse_request(body, correlation_id=correlation_id, reply_to=reply_to, rodan_origin=rodan_origin)
+    except InvalidRequest:
+        raise
+    except Exception as exc:  # a defect in the checks below must not become a crash of the pass
+        raise InvalidRequest(f"request could not be read ({type(exc).__name__})") from exc
+
+
+def _parse_request(body: bytes, *, correlation_id: str, reply_to: str, rodan_origin: str) -> JobRequest:
     data = decode_body(body)
     errors = sorted(_validator.iter_errors(data), key=lambda e: list(e.absolute_path))
     if errors:
@@ -170,7 +208,7 @@ def parse_request(body: bytes, *, correlation_id: str, reply_to: str) -> JobRequ
     inputs: dict[str, str] = dict(data["inputs"])
     generation, layers = _identify_layers(inputs)
     for name, value in inputs.items():
-        check_resource(name, value)
+        check_resource(name, value, rodan_origin)
     settings = _settings(data.get("settings") or {})
     return JobRequest(
         correlation_id=correlation_id,
@@ -183,6 +221,10 @@ def parse_request(body: bytes, *, correlation_id: str, reply_to: str) -> JobRequ
 
 
 def _describe(error: jsonschema.ValidationError) -> str:
+    return bounded(_describe_error(error), 200)
+
+
+def _describe_error(error: jsonschema.ValidationError) -> str:
     where = "/".join(str(p) for p in error.absolute_path) or "body"
     if error.validator == "type":
         return f"{where!r} must be of type {error.validator_value}"
@@ -207,7 +249,8 @@ def _identify_layers(inputs: Mapping[str, str]) -> tuple[Generation, list[LayerS
         indices: list[int] = []
         for name in numbered:
             suffix = name[len(NEW_LAYER_PREFIX) :]
-            if not suffix.isdigit() or str(int(suffix)) != suffix:
+            # ASCII digits only: '²' or '٣' pass str.isdigit() but not int()
+            if not (suffix.isascii() and suffix.isdigit()) or str(int(suffix)) != suffix:
                 raise InvalidRequest(f"unknown input {name!r}")
             indices.append(int(suffix))
         indices.sort()
@@ -239,24 +282,45 @@ def _require_exact(names: set[str], expected: set[str]) -> None:
         raise InvalidRequest(f"unknown inputs: {unknown}")
 
 
-def check_resource(name: str, value: str) -> None:
-    """A resource is a path on the Rodan host, or an absolute http(s) URL."""
+def check_resource(name: str, value: str, rodan_origin: str = "") -> None:
+    """A resource is a path on the Rodan host (``/uploads/...``), or an absolute http(s) URL on
+    Rodan's own origin (``rodan_origin``, ``scheme://host[:port]``; any origin when empty)."""
     if any(ord(c) < 32 or c == "\x7f" for c in value):
         raise InvalidRequest(f"input {name!r} contains control characters")
-    if value.startswith("/"):
+    if value.startswith("/") and not value.startswith("//"):
         path = value
     else:
-        parts = urlsplit(value)
-        # Only the Rodan host gets the token, and which host that is must not depend on the parser:
-        # urllib3 (which connects) ends the authority at a backslash where urlsplit does not, so
-        # 'http://other\\@rodan/' would look like Rodan here and go to 'other' with the token.
-        # Rodan's URLs have no user info, backslash or white space.
-        ambiguous = "@" in parts.netloc or "\\" in value or any(c.isspace() for c in value)
-        if parts.scheme not in {"http", "https"} or not parts.hostname or ambiguous:
-            raise InvalidRequest(f"input {name!r} must be a path on the Rodan host or an http(s) URL")
+        # Only Rodan gets the token, and which host that is must not depend on the parser: urllib3
+        # (which connects) ends the authority at a backslash where urlsplit does not, IDNA folds
+        # the full-width solidus (U+FF0F) into '/', and so on. Rodan's own URLs are plain ASCII without user info,
+        # backslash or white space: anything else is refused.
+        unusual = not value.isascii() or "@" in value or "\\" in value or any(c.isspace() for c in value)
+        try:
+            parts = urlsplit(value)
+            origin = _origin(parts.scheme, parts.hostname or "", parts.port)
+        except ValueError:  # '[::1', a port that is not a number or out of range
+            origin = ""
+        if unusual or parts.scheme not in {"http", "https"} or not origin:
+            raise InvalidRequest(f"input {name!r} must be a path on the Rodan host or an http(s) URL on it")
+        if rodan_origin and origin != _origin_of(rodan_origin):
+            raise InvalidRequest(
+                f"input {name!r} points to {parts.scheme}://{parts.netloc}, not to Rodan ({rodan_origin}): "
+                "inputs are only downloaded from Rodan"
+            )
         path = parts.path
     if ".." in unquote(path).replace("\\", "/").split("/"):
         raise InvalidRequest(f"input {name!r} contains a '..' path segment")
+
+
+def _origin(scheme: str, host: str, port: int | None) -> str:
+    if not host:
+        return ""
+    return f"{scheme}://{host.lower()}:{port or (443 if scheme == 'https' else 80)}"
+
+
+def _origin_of(url: str) -> str:
+    parts = urlsplit(url)
+    return _origin(parts.scheme, parts.hostname or "", parts.port)
 
 
 def _settings(raw: Mapping[str, Any]) -> TrainingSettings:
@@ -286,7 +350,7 @@ def success_reply(models: Mapping[str, bytes]) -> bytes:
 
 
 def error_reply(reason: str) -> bytes:
-    return json.dumps({"error": reason}).encode("utf-8")
+    return json.dumps({"error": bounded(reason)}).encode("utf-8")
 
 
 def reply_is_error(body: bytes) -> bool:

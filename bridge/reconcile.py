@@ -123,6 +123,12 @@ class Reconciler:
                 record.job_state = info.native_state
                 record.missing_since = 0.0
                 record.job_ended = info.state.is_terminal
+                if info.state is not JobState.PENDING:
+                    record.pending_since = 0.0
+                elif record.key not in staged:
+                    record.pending_since = record.pending_since or now
+                    if now - record.pending_since >= self.config.max_pending_s:
+                        judged += self._pending_too_long(record, info, now)
                 if info.state.is_terminal and record.key in staged:
                     log.info("job_ended_reply_waiting", note="its staged reply goes out with the next flush")
                 elif info.state.is_terminal and self._adopt_successor(record):
@@ -130,7 +136,7 @@ class Reconciler:
                 elif info.state.is_terminal:
                     if info.state is JobState.ERROR:
                         self._delete(record)
-                    reason = explain(record, info, self.scheduler.display_name)
+                    reason = self.config.public(explain(record, info, self.scheduler.display_name))
                     log.error("job_ended_without_reply", state=info.state.value, reason=reason)
                     record.reason = reason
                     self.replies.stage(record.correlation_id, record.reply_to, error_reply(reason), origin="reconcile")
@@ -138,6 +144,27 @@ class Reconciler:
                 self.ledger.save(record)
         log.info("reconcile_done", watched=len(watched), judged=judged)
         return judged
+
+    def _pending_too_long(self, record: RequestRecord, info: JobInfo, now: float) -> int:
+        """A job that has waited HPC_MAX_PENDING without starting is cancelled and answered: Rodan
+        must not wait for ever on a request the cluster will not run (or not for days)."""
+        try:
+            self.scheduler.cancel(record.job_id)
+        except SchedulerUnavailable as exc:
+            log.warning("job_delete_failed", error=str(exc))
+            return 0  # not answered while the job may still start; tried again next time
+        waited = now - record.pending_since
+        said = info.reason or "none given"
+        reason = self.config.public(
+            f"{self.scheduler.display_name} job {record.job_id} waited {_duration(waited)} in the queue without "
+            f"starting (the scheduler's reason: {said}); the bridge cancelled it after HPC_MAX_PENDING "
+            f"({_duration(self.config.max_pending_s)}). Ask for less memory, fewer CPUs or a shorter "
+            "'Maximum time (D-HH:MM)', or ask the operator why the cluster does not start it"
+        )
+        log.error("job_pending_too_long", waited_s=int(waited), scheduler_reason=said, reason=reason)
+        record.reason = reason
+        self.replies.stage(record.correlation_id, record.reply_to, error_reply(reason), origin="reconcile")
+        return 1
 
     def _follow_continuation(self, record: RequestRecord) -> None:
         """Take in what the job wrote when it continued itself (count, successor id)."""
@@ -253,7 +280,7 @@ class Reconciler:
         if has_reply:
             self.ledger.save(record)
             return 0
-        reason = (
+        reason = self.config.public(
             f"{self.scheduler.display_name} job {record.job_id} vanished: neither the queue nor accounting "
             f"has known it for {int(now - record.missing_since)} s; resubmit the job"
         )
@@ -262,3 +289,13 @@ class Reconciler:
         self.ledger.save(record)
         self.replies.stage(record.correlation_id, record.reply_to, error_reply(reason), origin="reconcile")
         return 1
+
+
+def _duration(seconds: float) -> str:
+    """``93784`` -> ``1 d 2 h 3 min``."""
+    minutes = int(seconds // 60)
+    days, rest = divmod(minutes, 1440)
+    hours, mins = divmod(rest, 60)
+    parts = [f"{days} d"] if days else []
+    parts += [f"{hours} h"] if hours else []
+    return " ".join([*parts, f"{mins} min"]) if mins or not parts else " ".join(parts)

@@ -16,7 +16,9 @@ Exactly one final reply per request is the contract. The protocol here:
    (``may_publish``), so the two never publish the same reply.
 
 So a reply that could not be published (broker down) is never lost, and a
-request with a marker is never answered again. The worker and the bridge both
+request with a marker is never answered again. One exception bounds the outbox: a reply
+whose queue does not exist (Rodan's task that declared it is gone) waits ``wait_s``
+(``HPC_REPLY_WAIT``) from its staging, then expires: its marker says ``expired``. The worker and the bridge both
 use this class; it needs the spool to be on storage both can reach.
 """
 
@@ -72,12 +74,14 @@ class StagedReply:
     body_path: Path
     meta_path: Path
     origin: str
+    staged_at: float = 0.0
 
 
 class ReplyBox:
-    def __init__(self, spool: Spool, *, max_bytes: int = 128 * 1024 * 1024) -> None:
+    def __init__(self, spool: Spool, *, max_bytes: int = 128 * 1024 * 1024, wait_s: float = 86400.0) -> None:
         self.spool = spool
         self.max_bytes = max_bytes
+        self.wait_s = wait_s
 
     def already_replied(self, correlation_id: str) -> bool:
         return self.spool.reply_marker(safe_key(correlation_id)).exists()
@@ -102,6 +106,7 @@ class ReplyBox:
         key = safe_key(correlation_id)
         body_path = self.spool.outbox_dir / f"{key}.body"
         meta_path = self.spool.outbox_dir / f"{key}.json"
+        staged_at = time.time()
         atomic_write(body_path, body)
         meta = {
             "correlation_id": correlation_id,
@@ -109,31 +114,39 @@ class ReplyBox:
             "origin": origin,
             "bytes": len(body),
             "outcome": "error" if reply_is_error(body) else "ok",
-            "staged_at": time.time(),
+            "staged_at": staged_at,
         }
         atomic_write_json(meta_path, meta)
         log.info("reply_staged", bytes=len(body), origin=origin, outcome=meta["outcome"])
-        return StagedReply(key, correlation_id, reply_to, body_path, meta_path, origin)
+        return StagedReply(key, correlation_id, reply_to, body_path, meta_path, origin, staged_at)
 
     def staged(self) -> list[StagedReply]:
         entries = []
         for meta_path in sorted(self.spool.outbox_dir.glob("*.json")):
-            try:
-                meta = read_json(meta_path)
-            except (OSError, ValueError):
-                continue
-            key = meta_path.stem
-            entries.append(
-                StagedReply(
-                    key,
-                    str(meta["correlation_id"]),
-                    str(meta["reply_to"]),
-                    meta_path.with_suffix(".body"),
-                    meta_path,
-                    str(meta.get("origin", "")),
-                )
-            )
+            entry = self._read_entry(meta_path)
+            if entry is not None:
+                entries.append(entry)
         return entries
+
+    def staged_entry(self, correlation_id: str) -> StagedReply | None:
+        """The staged reply of one request, if there is one (without listing the outbox)."""
+        return self._read_entry(self.spool.outbox_dir / f"{safe_key(correlation_id)}.json")
+
+    @staticmethod
+    def _read_entry(meta_path: Path) -> StagedReply | None:
+        try:
+            meta = read_json(meta_path)
+            return StagedReply(
+                meta_path.stem,
+                str(meta["correlation_id"]),
+                str(meta["reply_to"]),
+                meta_path.with_suffix(".body"),
+                meta_path,
+                str(meta.get("origin", "")),
+                float(meta.get("staged_at", 0.0)),
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
 
     def publish_staged(self, channel: BlockingChannel, entry: StagedReply, body: bytes | None = None) -> bool:
         """Publish one staged reply (confirm mode channel). False if it had been sent already.
@@ -203,10 +216,16 @@ class ReplyBox:
         log.info("reply_published", outcome=outcome, bytes=len(body), origin=entry.origin, expiration_ms=expiration)
         return True
 
-    def flush(self, channel: BlockingChannel, may_publish: Callable[[StagedReply], bool] = lambda _e: True) -> int:
-        """Publish every staged reply ``may_publish`` allows; returns how many went out."""
+    def flush(
+        self,
+        channel: BlockingChannel,
+        may_publish: Callable[[StagedReply], bool] = lambda _e: True,
+        *,
+        entries: list[StagedReply] | None = None,
+    ) -> int:
+        """Publish every staged reply (or each of ``entries``) ``may_publish`` allows; returns how many went out."""
         sent = 0
-        for entry in self.staged():
+        for entry in self.staged() if entries is None else entries:
             if not may_publish(entry):
                 continue
             if not channel.is_open:
@@ -218,17 +237,42 @@ class ReplyBox:
             except PermanentError as exc:
                 # Not even the error reply could be routed: the reply queue is gone (a broker's full
                 # restart drops Rodan's non-durable queues until Rodan declares them again). Keep the
-                # reply for a later pass instead of failing the pass, and go on with the others.
-                log.error(
-                    "reply_left_in_outbox",
-                    correlation_id=entry.correlation_id,
-                    error=str(exc),
-                    note="published on a later pass, once the reply queue exists",
-                )
+                # reply for a later pass instead of failing the pass, and go on with the others;
+                # after wait_s nobody is waiting for it any more: it expires.
+                self._left_unrouted(entry, str(exc))
                 continue
             if published:
                 sent += 1
         return sent
+
+    def _left_unrouted(self, entry: StagedReply, error: str) -> None:
+        waited = time.time() - entry.staged_at if entry.staged_at else 0.0
+        if waited < self.wait_s:
+            log.error(
+                "reply_left_in_outbox",
+                correlation_id=entry.correlation_id,
+                error=error,
+                note="published on a later pass, once the reply queue exists",
+            )
+            return
+        log.error(
+            "reply_expired",
+            correlation_id=entry.correlation_id,
+            reply_to=entry.reply_to,
+            waited_s=int(waited),
+            note="its reply queue has not existed for HPC_REPLY_WAIT: nobody is waiting for it",
+        )
+        atomic_write_json(
+            self.spool.reply_marker(entry.key),
+            {
+                "correlation_id": entry.correlation_id,
+                "outcome": "expired",
+                "bytes": 0,
+                "origin": entry.origin,
+                "published_at": time.time(),
+            },
+        )
+        self._drop(entry)
 
     def _drop(self, entry: StagedReply) -> None:
         self.spool.reply_marker(entry.key).with_suffix(".sending").unlink(missing_ok=True)

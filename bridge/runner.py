@@ -4,8 +4,11 @@ One thread owns the pika connection and does every broker operation. Slow work
 (Rodan, the scheduler) runs on a helper thread while the owner keeps servicing
 the connection (heartbeats), so a long submit never drops the connection.
 
-A pass: publish staged replies -> drain every available request -> give
-deferred requests back -> reconcile submitted jobs -> publish staged replies.
+A pass: publish staged replies -> take at most ``HPC_DRAIN_BATCH`` requests ->
+give deferred requests back -> reconcile submitted jobs -> publish staged replies
+(-> prune settled requests, at most hourly). Work that reads the whole ledger runs on
+the helper thread too. No message, and no defect met in a pass, ends the daemon: a
+failed pass is logged with its traceback and the next one starts after a backoff.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from bridge.errors import BrokerUnavailable
 from bridge.faults import fault_point
 from bridge.intake import Decision, Intake, Message, Outcome
 from bridge.ledger import Ledger
+from bridge.protocol import bounded
 from bridge.reconcile import Reconciler
 from bridge.replies import ReplyBox
 from bridge.rodan import RodanClient
@@ -45,6 +49,7 @@ from bridge.spool import Spool
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
+PRUNE_INTERVAL_S = 3600.0
 RECOVERABLE: tuple[type[BaseException], ...] = (BrokerUnavailable, *CONNECTION_ERRORS)
 
 
@@ -79,9 +84,12 @@ class Bridge:
         self.spool = Spool(config.spool_dir).ensure()
         self.ledger = Ledger(self.spool)
         self.scheduler = scheduler or get_scheduler(
-            config.scheduler, timeout_s=config.scheduler_timeout_s, options=config.scheduler_options
+            config.scheduler,
+            timeout_s=config.scheduler_timeout_s,
+            options=config.scheduler_options,
+            scheduler_args=config.scheduler_args,
         )
-        self.replies = ReplyBox(self.spool, max_bytes=config.max_reply_bytes)
+        self.replies = ReplyBox(self.spool, max_bytes=config.max_reply_bytes, wait_s=config.reply_wait_s)
         self.rodan = RodanClient(
             config.rodan_base_url,
             user=config.rodan_user,
@@ -99,6 +107,7 @@ class Bridge:
         self._deferred: list[_Deferred] = []
         self.reconciliations = 0  # counted for the metrics file (HPC_METRICS_FILE)
         self.broker_reconnects = 0
+        self._next_prune = 0.0
 
     # --- signals: the handler only sets a flag --------------------------------
     def install_signal_handlers(self) -> None:
@@ -133,6 +142,9 @@ class Bridge:
             except CONNECTION_ERRORS as exc:
                 log.error("broker_lost", error=f"{type(exc).__name__}: {exc}")
                 return 1
+            except Exception as exc:  # a defect: logged with its traceback; the next pass starts afresh
+                log.error("pass_failed", error=f"{type(exc).__name__}: {exc}", exc_info=True)
+                return 1
             finally:
                 self._close()
             log.info("check_done", **stats.__dict__)
@@ -150,21 +162,25 @@ class Bridge:
             while not self.stopping:
                 try:
                     self._open()
-                    backoff = 1.0
                     log.info("broker_connected")
                     while not self.stopping:
                         due = time.monotonic() >= next_reconcile
                         self._pass(drain_all=False, reconcile=due)
+                        backoff = 1.0
                         if due:
                             next_reconcile = time.monotonic() + self.config.reconcile_interval_s
                         self._sleep(self.config.poll_interval_s)
                 except RECOVERABLE as exc:
                     self.broker_reconnects += 1
                     log.warning("broker_lost", error=f"{type(exc).__name__}: {exc}", retry_in_s=backoff)
-                    self._close()
-                    self._deferred.clear()  # unacked deliveries went back to the queue with the channel
-                    self._stop.wait(backoff)
-                    backoff = min(backoff * 2, 60.0)
+                except Exception as exc:  # a defect: the daemon must outlive it (the unacked message goes back)
+                    log.error("pass_failed", error=f"{type(exc).__name__}: {exc}", retry_in_s=backoff, exc_info=True)
+                else:
+                    continue
+                self._close()
+                self._deferred.clear()  # unacked deliveries went back to the queue with the channel
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 60.0)
             self._close()
             log.info("daemon_stop")
             return 0
@@ -174,8 +190,8 @@ class Bridge:
         stats = PassStats()
         stats.replies_sent += self._flush()
         seen: set[str] = set()
-        self._drain(stats, seen)
-        drained = not self.stopping  # the queue was read to its end: what is not in it is gone
+        # Read to its end (not stopped, not cut at HPC_DRAIN_BATCH): what is not in the queue is gone.
+        drained = self._drain(stats, seen)
         self._release_deferred(force=drain_all)
         if reconcile:
             stats.judged = self._blocking(self.reconciler.reconcile)
@@ -186,10 +202,22 @@ class Bridge:
         if stats.replies_sent:
             # Only our own publications need settling now; replies the workers sent are
             # settled by reconcile() on its interval (settle reads the whole ledger).
-            self.reconciler.settle()
+            self._blocking(self.reconciler.settle)
         if reconcile:
-            self.write_metrics()
+            self._blocking(self.write_metrics)
+            if time.monotonic() >= self._next_prune:
+                self._blocking(self.prune)
+                self._next_prune = time.monotonic() + PRUNE_INTERVAL_S
         return stats
+
+    def prune(self) -> None:
+        """Forget requests settled longer than HPC_RETENTION_DAYS ago (a failure is logged, never fatal)."""
+        from bridge.ops.prune import prune
+
+        try:
+            prune(self.config, self.spool, self.ledger)
+        except OSError as exc:
+            log.warning("prune_failed", error=str(exc))
 
     def write_metrics(self) -> None:
         """Rewrite HPC_METRICS_FILE, when set (a failure is logged, never fatal)."""
@@ -208,24 +236,21 @@ class Bridge:
         except OSError as exc:
             log.warning("metrics_write_failed", path=str(self.config.metrics_file), error=str(exc))
 
-    def _drain(self, stats: PassStats, seen: set[str]) -> None:
+    def _drain(self, stats: PassStats, seen: set[str]) -> bool:
+        """Take up to HPC_DRAIN_BATCH requests; True when the queue was read to its end."""
         channel = self._require_channel()
-        while not self.stopping:
+        for _ in range(self.config.drain_batch):
+            if self.stopping:
+                return False
             method, properties, body = channel.basic_get(self.config.request_queue, auto_ack=False)
             if method is None:
-                return
+                return True
             fault_point("after_get")
-            msg = Message(
-                body=body,
-                correlation_id=properties.correlation_id,
-                reply_to=properties.reply_to,
-                redelivered=bool(method.redelivered),
-                delivery_tag=method.delivery_tag,
-            )
+            msg = Message.from_delivery(method, properties, body)
             stats.received += 1
             seen.add(msg.correlation_id or "")
-            decision = self._blocking(self.intake.process, msg)
-            self._settle_message(channel, msg, decision, properties)
+            decision = self._decide(msg)
+            self._settle_message(channel, msg, decision)
             if decision.outcome is Outcome.SUBMITTED:
                 stats.submitted += 1
             elif decision.outcome in (Outcome.REJECTED, Outcome.UNANSWERABLE):
@@ -234,20 +259,40 @@ class Bridge:
                 stats.deferred += 1
             else:
                 stats.duplicates += 1
+        return False
 
-    def _settle_message(
-        self, channel: BlockingChannel, msg: Message, decision: Decision, properties: pika.BasicProperties
-    ) -> None:
+    def _decide(self, msg: Message) -> Decision:
+        """``Intake.process`` on the helper thread. It raises only when the spool cannot be written
+        (a full disk): the message is then given back later, as for any transient failure."""
+        try:
+            return self._blocking(self.intake.process, msg)
+        except RECOVERABLE:
+            raise
+        except Exception as exc:
+            log.error(
+                "request_deferred",
+                correlation_id=msg.correlation_id,
+                error=f"{type(exc).__name__}: {exc}",
+                attempts=1,
+                exc_info=True,
+            )
+            return Decision(Outcome.DEFERRED, f"{type(exc).__name__}: {exc}")
+
+    def _settle_message(self, channel: BlockingChannel, msg: Message, decision: Decision) -> None:
         """Everything that touches the broker for one message, on the owner thread."""
         if decision.outcome is Outcome.DEFERRED:
             attempts = decision.record.attempts if decision.record else 1
-            due = time.monotonic() + min(5.0 * attempts, 300.0)
+            due = time.monotonic() + min(5.0 * 2 ** min(attempts - 1, 8), 300.0)
             self._deferred.append(_Deferred(msg.delivery_tag, due, msg.correlation_id or ""))
             return
-        if decision.outcome is Outcome.REJECTED:
-            self._flush()  # the staged error reply goes out before the message is dropped
+        if decision.outcome is Outcome.REJECTED and msg.correlation_id:
+            # The staged error reply goes out before the message is dropped: this one only, not the
+            # whole outbox (that is flushed once per pass).
+            entry = self.replies.staged_entry(msg.correlation_id)
+            if entry is not None:
+                self.replies.flush(channel, self.reconciler.may_publish, entries=[entry])
         if decision.outcome in (Outcome.REJECTED, Outcome.UNANSWERABLE):
-            self._dead_letter(channel, msg, decision.reason, properties)
+            self._dead_letter(channel, msg, decision.reason)
             if decision.record is not None:
                 decision.record.dead_lettered = True
                 self.ledger.save(decision.record)
@@ -255,11 +300,9 @@ class Bridge:
         channel.basic_ack(msg.delivery_tag)
         log.info("request_acked", correlation_id=msg.correlation_id, outcome=decision.outcome.value)
 
-    def _dead_letter(
-        self, channel: BlockingChannel, msg: Message, reason: str, properties: pika.BasicProperties
-    ) -> None:
+    def _dead_letter(self, channel: BlockingChannel, msg: Message, reason: str) -> None:
         headers = {
-            "x-hpc-bridge-reason": reason[:1000],
+            "x-hpc-bridge-reason": bounded(reason),
             "x-hpc-bridge-rejected-at": int(time.time()),
             "x-original-queue": self.config.request_queue,
         }

@@ -118,7 +118,6 @@ def bridge_environ(broker_url: str, standin: RodanStandin, queues: Queues, spool
         "HPC_GPU_RULES": "gpu:1",
         "HPC_RECONCILE_INTERVAL": "1",
         "HPC_RODAN_RETRIES": "2",
-        "HPC_MAX_ATTEMPTS": "3",
     }
     env.update(extra)
     return env

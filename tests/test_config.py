@@ -50,8 +50,11 @@ def test_missing_settings_are_named(missing: str) -> None:
 @pytest.mark.parametrize(
     ("name", "value"),
     [
-        ("HPC_MAX_ATTEMPTS", "many"),
-        ("HPC_MAX_ATTEMPTS", "0"),
+        ("HPC_DEFER_LIMIT", "many"),
+        ("HPC_DEFER_LIMIT", "0"),
+        ("HPC_DRAIN_BATCH", "0"),
+        ("HPC_POISON_LIMIT", "0"),
+        ("HPC_REPLY_QUEUE", ","),
         ("HPC_RECONCILE_INTERVAL", "-1"),
         ("RODAN_SCHEME", "ftp"),
         ("RODAN_HOST", "https://rodan.example.org/"),

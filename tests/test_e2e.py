@@ -161,7 +161,7 @@ def test_jobs_ending_without_a_reply_get_one_error_naming_the_state(harness, rod
     cluster = harness.cluster
     slow_page = sample_inputs("new", n_layers=1, height=160, width=192, seed=3)
     slow_prefix = slow_page["Image"].rsplit("/resources/", 1)[0]
-    standin.delay(400, paths=slow_prefix)  # downloads hang: the job is alive but never replies
+    standin.delay(400, paths=slow_prefix, downloads_only=True)  # the job is alive but never replies
 
     failed = rodan.publish_request(sample_inputs("new", n_layers=1, seed=4), FAST)
     harness.check(HPC_WORKER_PYTHON="/nonexistent/python3")  # the batch script cannot start the worker
@@ -258,13 +258,17 @@ def test_rodan_outage_defers_then_bounded_error(harness, rodan, sample_inputs, s
     standin.clear_faults()
     harness.check()
     assert harness.ledger(corr)["state"] == "submitted" and harness.ledger(behind)["state"] == "submitted"
-    # Rodan stays down: after HPC_MAX_ATTEMPTS passes the request gets an error reply.
+    # Rodan stays down: once HPC_DEFER_LIMIT has passed since the first failure, an error reply.
     standin.fail_next(1000, status=503, paths="/api/auth/token/")
     stuck = rodan.publish_request(page, FAST)
-    for _ in range(3):
-        harness.check(HPC_RODAN_RETRIES="0", HPC_MAX_ATTEMPTS="3")
+    harness.check(HPC_RODAN_RETRIES="0", HPC_DEFER_LIMIT="2")
     harness.collect()
-    assert "gave up after 3 attempts" in only_reply(harness, stuck)["error"]
+    assert not harness.replies and harness.ledger(stuck)["state"] == "received"
+    time.sleep(2.1)
+    harness.check(HPC_RODAN_RETRIES="0", HPC_DEFER_LIMIT="2")
+    harness.collect()
+    error = only_reply(harness, stuck)["error"]
+    assert error.startswith("gave up after retrying for 2 s (2 attempts, HPC_DEFER_LIMIT): "), error
     assert rodan.depth(queues.request) == 0
 
 

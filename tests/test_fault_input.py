@@ -52,6 +52,7 @@ from bridge.schedulers import GridEngineScheduler, Scheduler, SlurmScheduler
 from bridge.spool import Spool, safe_key
 from bridge.standin.server import RodanStandin, User, token_for_email
 from tests.conftest import FAST_SETTINGS, RODAN_EMAIL, RODAN_PASSWORD, Queues, Rodan, bridge_environ, run_bridge
+from tests.fuzz_messages import NASTY_CHARS, NASTY_NAMES, nasty_urls
 
 FUZZ_EXAMPLES = int(os.environ.get("HPC_FUZZ_EXAMPLES", "10000"))
 
@@ -112,6 +113,8 @@ HOSTILE = [
 hostile_text = st.one_of(
     st.sampled_from(HOSTILE),
     st.text(max_size=30),
+    # All of Unicode, with the characters that NFKC-normalise to '/', '@', ':' and the digits int() rejects.
+    st.text(st.one_of(st.characters(), st.sampled_from(NASTY_CHARS)), max_size=30),
     st.tuples(st.text(max_size=8), st.sampled_from(HOSTILE), st.text(max_size=8)).map("".join),
 )
 valid_path = st.integers(0, 10**6).map(lambda i: f"/uploads/projects/p/resources/r{i}/original_file")
@@ -122,6 +125,9 @@ resource = st.one_of(
     ),
     hostile_text.map(lambda t: f"/uploads/{t}"),
     hostile_text,
+    # Malformed and bracketed hosts, bad ports, IDNA junk (tests/fuzz_messages.py).
+    st.sampled_from(nasty_urls("127.0.0.1:8000")),
+    st.sampled_from(["http://", "https://"]).flatmap(lambda scheme: hostile_text.map(lambda t: f"{scheme}{t}/x")),
 )
 junk_value = st.one_of(
     st.none(),
@@ -163,7 +169,11 @@ def request_dicts(draw: st.DrawFn) -> Any:
     if draw(st.integers(0, 9)) == 0:
         names.remove(draw(st.sampled_from(names)))
     if draw(st.integers(0, 9)) == 0:
-        names.append(draw(hostile_text))
+        names.append(draw(st.one_of(hostile_text, st.sampled_from(NASTY_NAMES))))
+    if draw(st.integers(0, 19)) == 0:  # a numbered layer's name replaced by a look-alike ('Layer \u00b2')
+        numbered = [n for n in names if n.startswith(NEW_LAYER_PREFIX)]
+        if numbered:
+            names[names.index(draw(st.sampled_from(numbered)))] = draw(st.sampled_from(NASTY_NAMES))
     inputs = {name: draw(resource) if draw(st.integers(0, 39)) >= 36 else draw(valid_path) for name in names}
     chosen: dict[str, Any] = {}
     for name, valid in VALID_SETTING.items():
@@ -505,6 +515,33 @@ def test_deep_nesting_and_enormous_bodies_are_refused() -> None:
         parse(b"\xff\xfe{}")
 
 
+@pytest.mark.parametrize("name", NASTY_NAMES, ids=lambda name: ascii(name)[:40])
+def test_look_alike_input_names_are_refused_never_crash(name: str) -> None:
+    """Regression (issue #12): 'rgba PNG - Layer \u00b2' passed str.isdigit() and crashed int() with a
+    ValueError that no layer of the pass caught (so did a 5,000-digit layer number). Parsing raises
+    nothing but InvalidRequest; none of these names is one of Rodan's."""
+    inputs = dict(PAGE)
+    if name.startswith(NEW_LAYER_PREFIX):
+        inputs[name] = inputs.pop(f"{NEW_LAYER_PREFIX}0")
+    else:
+        inputs[name] = "/uploads/x"
+    with pytest.raises(InvalidRequest):
+        parse(json.dumps({"inputs": inputs, "settings": FAST_SETTINGS}).encode())
+
+
+@pytest.mark.parametrize("url", nasty_urls("127.0.0.1:8000"), ids=lambda url: ascii(url)[:60])
+def test_malformed_urls_never_crash_the_parser(url: str) -> None:
+    """Regression (issue #12): 'http://[::1', 'http://[zz]/x' and hosts with characters that NFKC-normalise
+    to '/', '@' or ':' (U+FF0F, U+FF20, U+FF1A...) made urlsplit raise ValueError out of check_resource.
+    Whatever the resource value, parsing accepts it or raises InvalidRequest, nothing else."""
+    try:
+        request = parse(body({**PAGE, "Image": url}))
+    except InvalidRequest as exc:
+        assert str(exc)
+    else:
+        assert request.inputs["Image"] == url
+
+
 # --- URLs to other hosts: the token goes to the Rodan host only --------------------------------------
 
 
@@ -520,55 +557,51 @@ def two_hosts(tmp_path: Path) -> Any:
 
 
 def test_urls_to_other_hosts_never_get_the_token(two_hosts: Any, tmp_path: Path) -> None:
-    """Every URL the protocol accepts is downloaded by the real client (as the worker does), with the
-    token; a second loopback server records what it received. URLs whose host depends on which parser
-    reads them are refused up front (regression: 'http://OTHER\\\\@RODAN/' passed urlsplit's origin
-    check as Rodan, and urllib3 connected to OTHER with the token)."""
+    """Inputs come only from Rodan (issue #12, item 4): a URL whose host is not Rodan's, by any
+    parser's reading, is refused by ``parse_request`` given Rodan's origin, and by the real download
+    client (as the worker uses it); a second loopback server records that it received nothing at all,
+    so never the token. Regression: 'http://OTHER\\@RODAN/' passed urlsplit's origin check as Rodan,
+    and urllib3 connected to OTHER with the token; before issue #12 URLs to other hosts were fetched
+    (without the token)."""
     rodan, other = two_hosts
     client = RodanClient(rodan.url, user="hpc", email=RODAN_EMAIL, password=RODAN_PASSWORD, retries=0)
     token = client.get_token()
     assert token == token_for_email(RODAN_EMAIL)
     port = rodan.port
-    candidates = {
-        f"{other.url}/uploads/projects/f.bin": "other",
-        f"http://localhost:{other.port}/uploads/projects/f.bin": "other",
-        f"http://{other.host_port}/uploads/projects/f.bin#@127.0.0.1:{port}": "other",
-        f"http://{other.host_port}/uploads/projects/f.bin?@127.0.0.1:{port}/": "other",
-        f"//{other.host_port}/uploads/projects/f.bin": "rodan",  # a path on the Rodan host
-        f"http://{other.host_port}\\@127.0.0.1:{port}/uploads/projects/f.bin": "refused",
-        f"http://127.0.0.1:{port}\\@{other.host_port}/uploads/projects/f.bin": "refused",
-        f"http://127.0.0.1:{port}@{other.host_port}/uploads/projects/f.bin": "refused",
-        f"http://user:pw@{other.host_port}/uploads/projects/f.bin": "refused",
-        f"http://{other.host_port} @127.0.0.1:{port}/uploads/projects/f.bin": "refused",
-        f"http://{other.host_port}\t/uploads/projects/f.bin": "refused",
-        f"ftp://{other.host_port}/uploads/projects/f.bin": "refused",
-        "http:///uploads/projects/f.bin": "refused",
-    }
-    for url, expected in candidates.items():
-        try:
-            parse(body({**PAGE, "Image": url}))
-        except InvalidRequest:
-            assert expected == "refused", url
-            continue
+    foreign = [
+        f"{other.url}/uploads/projects/f.bin",
+        f"http://localhost:{other.port}/uploads/projects/f.bin",
+        f"http://{other.host_port}/uploads/projects/f.bin#@127.0.0.1:{port}",
+        f"http://{other.host_port}/uploads/projects/f.bin?@127.0.0.1:{port}/",
+        f"//{other.host_port}/uploads/projects/f.bin",  # a network-path reference: another host
+        f"http://{other.host_port}\\@127.0.0.1:{port}/uploads/projects/f.bin",
+        f"http://127.0.0.1:{port}\\@{other.host_port}/uploads/projects/f.bin",
+        f"http://127.0.0.1:{port}@{other.host_port}/uploads/projects/f.bin",
+        f"http://user:pw@{other.host_port}/uploads/projects/f.bin",
+        f"http://{other.host_port} @127.0.0.1:{port}/uploads/projects/f.bin",
+        f"http://{other.host_port}\t/uploads/projects/f.bin",
+        f"http://{other.host_port}\uff0f@127.0.0.1:{port}/uploads/projects/f.bin",
+        f"http://127.0.0.1:{port}\uff20{other.host_port}/uploads/projects/f.bin",
+        f"ftp://{other.host_port}/uploads/projects/f.bin",
+        "http:///uploads/projects/f.bin",
+        f"http://[::1]:{other.port}/uploads/projects/f.bin",
+        f"http://127.0.0.1:{other.port}/uploads/projects/f.bin",
+    ]
+    for url in foreign:
+        with pytest.raises(InvalidRequest):
+            parse_request(body({**PAGE, "Image": url}), correlation_id="c", reply_to="r", rodan_origin=rodan.url)
         other.clear_requests()
         rodan.clear_requests()
-        if expected == "rodan":
-            with pytest.raises(PermanentError, match="HTTP 404"):
-                client.download(url, tmp_path / "dl")
-            assert not other.requests and rodan.requests, url
-            continue
-        assert expected == "other", url
-        result = client.download(url, tmp_path / "dl")
-        assert result.path.read_bytes() == b"other" * 100, url
-        assert other.requests and all(r.authorization is None for r in other.requests), url
-        assert not rodan.requests, url
+        with pytest.raises(PermanentError):
+            client.download(url, tmp_path / "dl", max_bytes=1 << 20)
+        assert not other.requests and not rodan.requests, url
     # The Rodan host itself, by path or by its own URL, does get the token.
     for resource in ("/uploads/projects/f.bin", f"{rodan.url}/uploads/projects/f.bin"):
-        parse(body({**PAGE, "Image": resource}))
+        parse_request(body({**PAGE, "Image": resource}), correlation_id="c", reply_to="r", rodan_origin=rodan.url)
         rodan.clear_requests()
-        client.download(resource, tmp_path / "dl")
+        client.download(resource, tmp_path / "dl", max_bytes=1 << 20)
         assert [r.authorization for r in rodan.requests] == [f"Token {token}"]
-    assert all(r.authorization is None for r in other.requests)
+    assert not other.requests
 
 
 # --- through the real intake with the broker ----------------------------------------------------------
@@ -597,7 +630,8 @@ def test_unanswerable_and_enormous_messages_through_the_real_intake(
     dead = rodan.drain(queues.dead)
     reasons = sorted(headers["x-hpc-bridge-reason"] for _corr, _body, headers in dead)
     assert len(dead) == 3
-    assert sum("no correlation_id" in r for r in reasons) == 2 and sum("more than" in r for r in reasons) == 1
+    assert sum(bool(re.search(r"no (usable )?correlation_id", r)) for r in reasons) == 2
+    assert sum("more than" in r for r in reasons) == 1
     assert rodan.depth(queues.request) == 0
     ledger = tmp_path / "spool" / "ledger"
     assert [json.loads(p.read_text())["job_id"] for p in ledger.glob("*.json")] == [""]

@@ -150,7 +150,7 @@ def make_bridge(
         HPC_LOG_FILE=str(tmp_path / "bridge.log"),
         HPC_SCHEDULER=cluster,
         HPC_WORKER_PYTHON="/bin/true",
-        HPC_MAX_ATTEMPTS="10",
+        HPC_DEFER_LIMIT="3600",
         HPC_SCHEDULER_TIMEOUT="60",
     )
     bridge = Bridge(env, spool, rodan, Cluster(cluster))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pika
@@ -123,7 +124,7 @@ def test_a_publish_killed_after_the_confirm_goes_out_again_only_with_an_expiry(
 
 
 def test_a_request_given_up_on_at_submit_leaves_no_token_on_disk(make_config, sample_inputs) -> None:
-    """Regression: a request rejected after HPC_MAX_ATTEMPTS transient submit failures kept its
+    """Regression: a request rejected after HPC_DEFER_LIMIT of transient submit failures kept its
     parameter file, Rodan token inside, in the spool for ever (only a reply's settle removed it)."""
     import json
 
@@ -137,7 +138,7 @@ def test_a_request_given_up_on_at_submit_leaves_no_token_on_disk(make_config, sa
     from bridge.standin.server import token_for_email
     from tests.conftest import FAST_SETTINGS, RODAN_EMAIL
 
-    config = make_config(HPC_MAX_ATTEMPTS="2")
+    config = make_config(HPC_DEFER_LIMIT="0.5")
     spool = Spool(config.spool_dir).ensure()
     scheduler = get_scheduler("slurm", timeout_s=5, options=config.scheduler_options)
 
@@ -150,9 +151,10 @@ def test_a_request_given_up_on_at_submit_leaves_no_token_on_disk(make_config, sa
     ledger = Ledger(spool)
     intake = Intake(config, spool, ledger, scheduler, rodan, ReplyBox(spool))
     body = json.dumps({"inputs": sample_inputs("new", n_layers=1), "settings": FAST_SETTINGS}).encode()
-    msg = Message(body=body, correlation_id="given-up", reply_to="q", redelivered=False, delivery_tag=1)
+    msg = Message(body=body, correlation_id="given-up", reply_to=config.reply_queue, redelivered=False, delivery_tag=1)
     assert intake.process(msg).outcome is Outcome.DEFERRED
     assert spool.params_path("given-up").exists()  # kept for the next attempt
+    time.sleep(0.6)
     assert intake.process(msg).outcome is Outcome.REJECTED
     assert not spool.params_path("given-up").exists()
     token = token_for_email(RODAN_EMAIL).encode()

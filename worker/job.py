@@ -1,7 +1,9 @@
 """One training request, start to finish, inside the batch job (or a chain of them).
 
 parameter file (the Rodan token is removed from it once read) -> download every input
-into the run directory -> load the page -> train one model per layer, checkpointing ->
+into the run directory (from Rodan only, each at most the parameter file's
+``limits.max_input_bytes``) -> load the page (PNG or JPEG only, at most
+``limits.max_input_pixels`` per image) -> train one model per layer, checkpointing ->
 publish the reply (models, or an error naming the step that failed). The reply is staged
 in the spool's outbox before it is published, so a broker outage only delays it: the
 bridge publishes it later.
@@ -28,9 +30,9 @@ import structlog
 from bridge.amqp import CONNECTION_ERRORS, connect
 from bridge.errors import BridgeError, BrokerUnavailable
 from bridge.logs import register_secret, tee_logs_to
-from bridge.protocol import error_reply, success_reply
+from bridge.protocol import error_reply, success_reply, without_private
 from bridge.replies import ReplyBox
-from bridge.rodan import RodanClient
+from bridge.rodan import DEFAULT_MAX_INPUT_BYTES, DEFAULT_MAX_INPUT_PIXELS, RodanClient
 from bridge.spool import Spool, atomic_write_json, read_json
 from bridge.spool import safe_key as spool_key
 from worker import memory, onednn
@@ -67,6 +69,10 @@ class JobParameters:
     seed: int | None  # the bridge's HPC_TRAINING_SEED; None: the trainer draws one (and checkpoints it)
     rodan_timeout_s: float = 30.0  # the bridge's HPC_RODAN_TIMEOUT and HPC_RODAN_RETRIES, for downloads
     rodan_retries: int = 4
+    # The bridge's HPC_MAX_INPUT_BYTES (one download, raw bytes) and HPC_MAX_INPUT_PIXELS (one image);
+    # a parameter file written before they existed has no "limits": the defaults then.
+    max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES
+    max_input_pixels: int = DEFAULT_MAX_INPUT_PIXELS
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> JobParameters:
@@ -89,6 +95,8 @@ class JobParameters:
             max_reply_bytes=int(data.get("max_reply_bytes", 128 * 1024 * 1024)),
             run_dir=Path(data["run_dir"]) if data.get("run_dir") else None,
             seed=int(data["seed"]) if data.get("seed") is not None else None,
+            max_input_bytes=_limit(data, "max_input_bytes", DEFAULT_MAX_INPUT_BYTES),
+            max_input_pixels=_limit(data, "max_input_pixels", DEFAULT_MAX_INPUT_PIXELS),
         )
 
     @property
@@ -138,8 +146,8 @@ def run_job(params_path: Path) -> int:
         else:
             run_dir = RunDirectory.create(params.runs_dir, params.key)
     except Exception as exc:
-        log.error("job_failed", step="starting", error=_describe(exc))
-        deliver(replies, params, error_reply(f"the training job failed while starting: {_describe(exc)}"))
+        log.error("job_failed", step="starting", error=_describe(exc, params))
+        deliver(replies, params, error_reply(f"the training job failed while starting: {_describe(exc, params)}"))
         params_path.unlink(missing_ok=True)
         return 1
     tee_logs_to(run_dir.log_path)
@@ -166,7 +174,7 @@ def run_job(params_path: Path) -> int:
         ok = False
     elif isinstance(outcome, StepFailed):
         log.error("job_failed", step=outcome.step, error=str(outcome.cause), error_type=type(outcome.cause).__name__)
-        body = error_reply(f"the training job failed while {outcome.step}: {_describe(outcome.cause)}")
+        body = error_reply(f"the training job failed while {outcome.step}: {_describe(outcome.cause, params)}")
         ok = False
     else:
         from worker.trainer.saving import MODEL_INPUT  # the trainer is imported: free
@@ -250,7 +258,8 @@ def stopped(
             )
             return None
         except Exception as exc:
-            reason = f"training stopped at {outcome.where} and could not continue in a new job: {_describe(exc)}"
+            why = _describe(exc, params)
+            reason = f"training stopped at {outcome.where} and could not continue in a new job: {why}"
     log.error("job_not_continued", reason=reason)
     return error_reply(reason)
 
@@ -262,7 +271,9 @@ def node_local_checkpoints(plan: ContinuationPlan | None, key: str) -> Path | No
         if not base:
             continue
         if Path(base).is_dir():
-            return Path(base) / f"hpc-checkpoints-{key}"
+            from worker.trainer.sync import claim_node_local_dir
+
+            return claim_node_local_dir(Path(base) / f"hpc-checkpoints-{key}")
         if base == configured:
             log.warning("node_local_dir_missing", path=str(base), note="checkpoints go to the run directory")
     return None
@@ -316,7 +327,7 @@ def train(
             log.info("input_present", input=name, bytes=dest.stat().st_size)
             continue
         try:
-            result = rodan.download(resource, dest)
+            result = rodan.download(resource, dest, max_bytes=params.max_input_bytes)
         except Exception as exc:
             raise StepFailed(f"downloading {name!r}", exc) from exc
         log.info("input_downloaded", input=name, bytes=result.bytes, seconds=round(result.seconds, 3))
@@ -325,7 +336,9 @@ def train(
         from worker.trainer import Page, TrainingInterrupted, TrainSettings, load_page, train_page
 
         layer_paths = {key: files[input_name] for input_name, key in params.layers}
-        page: Page = load_page(files["Image"], layer_paths, files.get("Selected Regions"))
+        page: Page = load_page(
+            files["Image"], layer_paths, files.get("Selected Regions"), max_pixels=params.max_input_pixels
+        )
     except Exception as exc:
         raise StepFailed("reading the input images", exc) from exc
     s = params.settings
@@ -382,7 +395,7 @@ def deliver(replies: ReplyBox, params: JobParameters, body: bytes) -> None:
     except _DELIVERY_ERRORS as exc:
         # The broker may go away between connecting and publishing (channel() and confirm_delivery()
         # raise pika's own errors): the reply is staged, so the bridge publishes it.
-        log.error("reply_left_in_outbox", error=_describe(exc), note="hpc-bridge publishes it on its next pass")
+        log.error("reply_left_in_outbox", error=_describe(exc, params), note="hpc-bridge publishes it on its next pass")
     finally:
         if connection.is_open:
             try:
@@ -391,10 +404,18 @@ def deliver(replies: ReplyBox, params: JobParameters, body: bytes) -> None:
                 pass
 
 
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, (BridgeError, ValueError)):
-        return str(exc)
-    return f"{type(exc).__name__}: {exc}"
+def _limit(data: Mapping[str, Any], name: str, default: int) -> int:
+    """``data["limits"][name]``, or ``default`` when the bridge that wrote the file set none."""
+    limits = data.get("limits")
+    value = limits.get(name) if isinstance(limits, Mapping) else None
+    return int(value) if value is not None else default
+
+
+def _describe(exc: BaseException, params: JobParameters) -> str:
+    """An exception as Rodan's users read it: without the installation's paths."""
+    text = str(exc) if isinstance(exc, (BridgeError, ValueError)) else f"{type(exc).__name__}: {exc}"
+    paths = {str(params.spool): "<spool>", str(params.runs_dir): "<runs>", str(Path.home()): "<home>"}
+    return without_private(text, paths, {})
 
 
 def _password(url: str) -> str:

@@ -117,7 +117,7 @@ def collect(config: BridgeConfig, corr: str) -> list[Event]:
                     events.append(Event(_time_of(data, 0.0), "bridge", order, data))
     worker_lines: set[str] = set()
     runs_dir = config.runs_dir or config.spool_dir / "runs"
-    for run_dir in _run_dirs(runs_dir, key):
+    for run_dir in run_dirs(runs_dir, key):
         log_path = run_dir / "job.log"
         for order, line in enumerate(_lines(log_path)):
             worker_lines.add(line)
@@ -174,7 +174,8 @@ def _rotated(log_file: Path) -> list[Path]:
     return sorted(siblings, key=number, reverse=True) + ([log_file] if log_file.exists() else [])
 
 
-def _run_dirs(runs_dir: Path, key: str) -> list[Path]:
+def run_dirs(runs_dir: Path, key: str) -> list[Path]:
+    """The run directories of request ``key`` under ``runs_dir`` (a continued request may have one)."""
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", key).strip("._-")[:80] or "run"  # worker.trainer.rundir.safe_name
     if not runs_dir.is_dir():
         return []

@@ -29,6 +29,7 @@ STATES: tuple[str, ...] = (
     "continued",
     "replied-ok",
     "replied-error",
+    "reply-expired",
     "rejected",
 )
 #: Reply latency buckets in seconds: a minute to three days.
@@ -54,7 +55,7 @@ def display_state(record: RequestRecord, job_state: str | None = None) -> str:
     if record.state is RequestState.SUBMITTING:
         return "submitting"
     if record.state is RequestState.REPLIED:
-        return "replied-error" if record.outcome == "error" else "replied-ok"
+        return {"error": "replied-error", "expired": "reply-expired"}.get(record.outcome, "replied-ok")
     if record.state is RequestState.REJECTED:
         return "rejected"
     if record.continuations:
@@ -75,6 +76,7 @@ class Counters:
     submitted: int
     replied_ok: int
     replied_error: int
+    reply_expired: int
     rejected: int
     dead_lettered: int
     continuations: int
@@ -88,8 +90,9 @@ def count(records: Iterable[RequestRecord]) -> Counters:
     return Counters(
         received=len(items),
         submitted=sum(1 for r in items if r.job_id or r.submitted_at),
-        replied_ok=sum(1 for r in items if r.state is RequestState.REPLIED and r.outcome != "error"),
+        replied_ok=sum(1 for r in items if r.state is RequestState.REPLIED and r.outcome not in ("error", "expired")),
         replied_error=sum(1 for r in items if r.state is RequestState.REPLIED and r.outcome == "error"),
+        reply_expired=sum(1 for r in items if r.state is RequestState.REPLIED and r.outcome == "expired"),
         rejected=sum(1 for r in items if r.state is RequestState.REJECTED),
         dead_lettered=sum(1 for r in items if r.dead_lettered),
         continuations=sum(r.continuations for r in items),
@@ -132,6 +135,7 @@ def render(
         "submitted": counters.submitted,
         "replied_ok": counters.replied_ok,
         "replied_error": counters.replied_error,
+        "reply_expired": counters.reply_expired,
         "rejected": counters.rejected,
         "dead_lettered": counters.dead_lettered,
     }

@@ -148,7 +148,10 @@ def query_scheduler(config: BridgeConfig, records: Sequence[RequestRecord]) -> t
 
     try:
         scheduler = get_scheduler(
-            config.scheduler, timeout_s=config.scheduler_timeout_s, options=config.scheduler_options
+            config.scheduler,
+            timeout_s=config.scheduler_timeout_s,
+            options=config.scheduler_options,
+            scheduler_args=config.scheduler_args,
         )
         infos = scheduler.query(sorted(set(open_jobs.values())))
     except (SchedulerUnavailable, SchedulerRejected, OSError) as exc:
