@@ -37,6 +37,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import pika
@@ -552,6 +553,32 @@ class Context:
 
     rodan: str
     pages: Mapping[str, Mapping[str, str]]  # "old" / "new" -> inputs
+    odd_files: tuple[str, ...] = ()  # paths of files the stand-in serves that are no PNG or JPEG
+
+
+#: Files that are not what an input must be (written by :func:`write_odd_files`): empty, text, a GIF,
+#: an EPS (Pillow would hand it to Ghostscript), a PNG signature with nothing after it, a directory.
+ODD_FILES: dict[str, bytes | None] = {
+    "projects/odd/resources/empty/original_file": b"",
+    "projects/odd/resources/text/original_file": b"just text, no image\n" * 50,
+    "projects/odd/resources/gif/original_file": b"GIF89a\x01\x00\x01\x00\x80\x00\x00\xff\xff\xff\x00\x00\x00!"
+    b"\xf9\x04\x01\x00\x00\x00\x00,\x00\x00\x00\x00\x01\x00\x01\x00\x00\x02\x02D\x01\x00;",
+    "projects/odd/resources/eps/original_file": b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 1 1\nshowpage\n",
+    "projects/odd/resources/png-head/original_file": b"\x89PNG\r\n\x1a\n",
+    "projects/odd/resources/dir/original_file": None,  # a directory
+}
+
+
+def write_odd_files(uploads: Path) -> tuple[str, ...]:
+    """Write :data:`ODD_FILES` under the stand-in's uploads folder; their resource paths."""
+    for relative, data in ODD_FILES.items():
+        path = uploads / relative
+        if data is None:
+            path.mkdir(parents=True, exist_ok=True)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+    return tuple(f"/uploads/{relative}" for relative in ODD_FILES)
 
 
 RAW = "\x00raw\x00"  # placeholder for a JSON fragment json.dumps cannot write (a 5,000-digit number)
@@ -682,6 +709,7 @@ def mutated_requests(draw: st.DrawFn, ctx: Context) -> tuple[str, bytes]:
     name_strategy = st.one_of(st.sampled_from(NASTY_NAMES), json_text)
     url_strategy = st.one_of(
         st.sampled_from(nasty_urls(ctx.rodan)),
+        st.sampled_from([*ctx.odd_files, "/uploads/", "/uploads/projects/odd/resources/"]),
         st.tuples(st.sampled_from(["http://", "https://", "/uploads/", f"http://{ctx.rodan}/", ""]), json_text).map(
             "".join
         ),
@@ -939,7 +967,7 @@ def hostile_burst(ctx: Context) -> list[MessageSpec]:
         inputs = dict(page)
         inputs[name] = inputs.pop(f"{NEW_PREFIX}0") if name.startswith(NEW_PREFIX) else "/uploads/x"
         add("input-name", dumps({"inputs": inputs, "settings": SETTINGS_OK}))
-    for url in nasty_urls(ctx.rodan):
+    for url in [*nasty_urls(ctx.rodan), *ctx.odd_files]:
         add("input-value", dumps({"inputs": {**page, "Image": url}, "settings": SETTINGS_OK}))
     for i, value in enumerate(
         ["\u00b2", "\uff16\uff14", 2**64, -(10**30), 1e308, float("nan"), [64], {"v": 1}, True, "x" * 100_000]

@@ -66,6 +66,7 @@ from tests.fuzz_messages import (
     hostile_burst,
     observe,
     publish_batch,
+    write_odd_files,
 )
 
 pytestmark = [pytest.mark.slurm, pytest.mark.broker]
@@ -157,12 +158,13 @@ def fail_on(verdict: Verdict, published: Published, where: str) -> None:
 
 @pytest.fixture
 def context(standin: RodanStandin, slurm: None) -> Context:
-    """A sample page of each generation, served by the stand-in (its requests are submittable)."""
+    """A sample page of each generation, served by the stand-in (its requests are submittable), and
+    files that are no PNG or JPEG (an input naming one is refused, or fails in the job)."""
     pages = {
         "old": make_sample_page(standin.uploads_dir, generation="old", height=96, width=96, seed=11),
         "new": make_sample_page(standin.uploads_dir, generation="new", n_layers=2, height=96, width=96, seed=12),
     }
-    return Context(standin.host_port, pages)
+    return Context(standin.host_port, pages, write_odd_files(standin.uploads_dir))
 
 
 @pytest.fixture

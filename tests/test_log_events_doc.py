@@ -20,8 +20,6 @@ LEVELS = {"debug", "info", "warning", "error", "exception", "critical", "msg"}
 # Event names computed at the call site: (file, source of the first argument) -> the names it takes.
 # A new computed name must be added here (and to the doc), or the test says so.
 DYNAMIC: dict[tuple[str, str], set[str]] = {
-    # RodanClient._retrying(fn, what) is called with what="rodan_token" and what="download".
-    ("bridge/rodan.py", "f'{what}_retry'"): {"rodan_token_retry", "download_retry"},
     # The follower ends a chain whose links all ended without saying how.
     ("bridge/chain/follow.py", "str(event['event'])"): {"chain_incomplete", "chain_failed"},
 }

@@ -147,3 +147,26 @@ def test_without_any_private_folder_checkpoints_go_to_the_run_directory(tmp_path
     assert (tmp_path / "persistent" / checkpoint_name(1)).exists()
     unusable = [e for e in logs if e["event"] == "node_local_dir_unusable"]
     assert len(unusable) == 1 and unusable[0]["path"] == str(not_a_dir / "x")
+
+
+def test_the_worker_uses_the_claimed_folder_not_the_planted_one(tmp_path, monkeypatch):
+    """worker.job.node_local_checkpoints hands the trainer (and its clean-up) the folder actually
+    claimed: a planted, world-writable one under $TMPDIR is neither used nor emptied."""
+    import stat
+
+    import structlog
+
+    from worker.job import node_local_checkpoints
+
+    planted = tmp_path / "hpc-checkpoints-K"
+    planted.mkdir()
+    planted.chmod(0o777)
+    (planted / "someone-elses").write_text("x")
+    monkeypatch.delenv("SLURM_TMPDIR", raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    with structlog.testing.capture_logs() as logs:
+        chosen = node_local_checkpoints(None, "K")
+    assert chosen is not None and chosen != planted and chosen.parent == tmp_path
+    assert stat.S_IMODE(chosen.stat().st_mode) == 0o700
+    assert (planted / "someone-elses").exists()
+    assert [e["event"] for e in logs] == ["node_local_dir_unsafe"]

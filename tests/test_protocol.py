@@ -90,6 +90,9 @@ def test_settings_are_taken_and_integral_floats_become_int() -> None:
         ({"Slurm Notification Email": "not-an-address"}, "not an e-mail address"),
         ({"Slurm Notification Email": "a@b.org --uid=0"}, "not an e-mail address"),
         ({"Slurm Notification Email": "a@b.org\n#SBATCH -A x"}, "not an e-mail address"),
+        # An address is an argument of sbatch --mail-user / qsub -M: it must never read as an option.
+        ({"Slurm Notification Email": "-oProxyCommand@b.org"}, "not an e-mail address"),
+        ({"Slurm Notification Email": "a@-b.org"}, "not an e-mail address"),
     ],
 )
 def test_invalid_settings_are_rejected_with_the_setting_named(settings: dict[str, object], fragment: str) -> None:

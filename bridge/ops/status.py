@@ -19,7 +19,8 @@ from bridge.ops.metrics import STATES, count, display_state, outbox_size
 from bridge.spool import Spool
 
 EPILOG = """states: queued (received, not yet submitted), submitting, submitted, pending, running,
-continued (the training went on in a new job), replied-ok, replied-error, rejected (dead-lettered).
+continued (the training went on in a new job), replied-ok, replied-error, reply-expired (its queue
+never came back: HPC_REPLY_WAIT), rejected (dead-lettered).
 --state replied matches both replied states.
 
 examples:
