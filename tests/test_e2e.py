@@ -234,7 +234,7 @@ def test_invalid_requests_get_one_error_and_are_dead_lettered(harness, rodan, sa
         assert cluster.jobs_started(f"rodan-{corr}") == []
     dead = {corr: headers for corr, _body, headers in rodan.drain(queues.dead)}
     assert set(dead) == {*cases, no_reply_to}
-    assert "no reply_to" in dead[no_reply_to]["x-hpc-bridge-reason"]
+    assert "no usable reply_to" in dead[no_reply_to]["x-hpc-bridge-reason"]
     assert rodan.depth(queues.request) == 0
     # Rodan refuses the HPC account: error reply, dead letter, nothing submitted, never retried.
     refused = rodan.publish_request(good, FAST)
@@ -268,7 +268,7 @@ def test_rodan_outage_defers_then_bounded_error(harness, rodan, sample_inputs, s
     harness.check(HPC_RODAN_RETRIES="0", HPC_DEFER_LIMIT="2")
     harness.collect()
     error = only_reply(harness, stuck)["error"]
-    assert error.startswith("gave up after retrying for 2 s (2 attempts, HPC_DEFER_LIMIT): "), error
+    assert error.startswith("gave up after retrying for ") and "(2 attempts, HPC_DEFER_LIMIT): Rodan" in error, error
     assert rodan.depth(queues.request) == 0
 
 
@@ -505,6 +505,7 @@ def test_training_longer_than_one_job_continues_and_equals_an_uninterrupted_run(
         "submitted": 2,
         "replied_ok": 2,
         "replied_error": 0,
+        "reply_expired": 0,
         "rejected": 0,
         "dead_lettered": 0,
         "continuations": record["continuations"],

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from PIL import Image as PILImage
 
 from bridge.standin.server import RodanStandin
 from tests.conftest import (
@@ -153,6 +154,10 @@ def make_bridge(
         HPC_DEFER_LIMIT="3600",
         HPC_SCHEDULER_TIMEOUT="60",
     )
+    for resource in PAGE.values():  # the bridge checks every input at Rodan before it submits
+        file = standin.uploads_dir / resource.removeprefix("/uploads/")
+        file.parent.mkdir(parents=True, exist_ok=True)
+        PILImage.new("RGBA", (8, 8)).save(file, format="PNG")
     bridge = Bridge(env, spool, rodan, Cluster(cluster))
     try:
         yield bridge

@@ -232,12 +232,14 @@ class PassRig:
 # --- the fuzz -----------------------------------------------------------------------------------------
 
 
+@pytest.mark.timeout(max(900, 600 + FUZZ_EXAMPLES))  # the full run takes longer than the suite's 900 s
 def test_fuzzed_messages_through_the_real_pass(
     broker_url: str, standin: RodanStandin, context: Context, tmp_path: Path, quiet_logs: None
 ) -> None:
     rig = PassRig(broker_url, standin, tmp_path)
     print(f"\nHPC_FUZZ_SEED={FUZZ_SEED} HPC_FUZZ_EXAMPLES={FUZZ_EXAMPLES}")
     phases = [Phase.explicit, Phase.generate] + ([Phase.shrink] if SHRINK else [])
+    started = time.monotonic()
 
     @seed(FUZZ_SEED)
     @settings(
@@ -251,8 +253,9 @@ def test_fuzzed_messages_through_the_real_pass(
     def one_pass(batch: list[MessageSpec]) -> None:
         rig.stats["passes"] += 1
         rig.run(batch)
+        if rig.stats["passes"] % 1000 == 0:
+            print(f"{rig.stats['passes']} passes, {time.monotonic() - started:.0f} s", flush=True)
 
-    started = time.monotonic()
     try:
         one_pass()
     finally:
