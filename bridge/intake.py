@@ -164,13 +164,19 @@ class Intake:
     def _quarantine(self, record: RequestRecord) -> Decision:
         """A request whose handling stopped the process ``deliveries`` times: never handled again."""
         log.error("request_quarantined", deliveries=record.deliveries, state=record.state.value)
-        record.deliveries = 0
         if record.state is RequestState.SUBMITTING:
-            try:  # killed after the submit: the job is the answer, not an error reply
-                if self._adopt_existing_job(record):
-                    return Decision(Outcome.SUBMITTED, record=record)
-            except Exception as exc:  # the scheduler is down, or worse: the request is set aside anyway
-                log.warning("request_quarantine_lookup_failed", error=f"{type(exc).__name__}: {exc}")
+            # Stopped after its submit, perhaps: a job found by name is the answer, not an error reply.
+            # Only this lookup runs; while the scheduler cannot say, the message waits (still counted).
+            try:
+                adopted = self._adopt_existing_job(record)
+            except TransientError as exc:
+                log.warning("request_quarantine_lookup_failed", error=str(exc))
+                return Decision(Outcome.DEFERRED, str(exc), record)
+            if adopted:
+                record.deliveries = 0
+                self.ledger.save(record)
+                return Decision(Outcome.SUBMITTED, record=record)
+        record.deliveries = 0
         return self._reject(
             record,
             f"the HPC bridge stopped {self.config.poison_limit} times while handling this request (a crash "
