@@ -132,6 +132,15 @@ def declare_as_rodan(connection: pika.BlockingConnection, queues: FuzzQueues) ->
     channel.close()
 
 
+def close_quietly(connection: pika.BlockingConnection) -> None:
+    """Close a connection a failed test may have left broken (the queues are deleted next, regardless)."""
+    try:
+        if connection.is_open:
+            connection.close()
+    except pika.exceptions.AMQPError:
+        pass
+
+
 def delete_queues(broker_url: str, queues: FuzzQueues) -> None:
     connection = pika.BlockingConnection(pika.URLParameters(broker_url))
     channel = connection.channel()
@@ -222,8 +231,7 @@ class PassRig:
             passed = True
         finally:
             cancel_jobs(spool)
-            if connection.is_open:
-                connection.close()
+            close_quietly(connection)
             delete_queues(self.broker_url, queues)
             if passed:
                 shutil.rmtree(work, ignore_errors=True)
@@ -377,7 +385,6 @@ def test_daemon_survives_a_hostile_burst_and_submits_the_valid_requests(
             status = proc.wait(timeout=10)
         output.close()
         cancel_jobs(spool)
-        if connection.is_open:
-            connection.close()
+        close_quietly(connection)
         delete_queues(broker_url, queues)
     assert status == 0, f"the daemon's exit status on SIGTERM: {status}\n{tail()}"
