@@ -365,3 +365,39 @@ def wait_until(predicate: Callable[[], Any], timeout: float, interval: float = 0
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+# --- a second user, for "only our jobs" -------------------------------------------------------------
+
+#: A unix user who may submit on both dev clusters (deploy/dev/setup.sh creates it).
+OTHER_USER = os.environ.get("HPC_DEV_OTHER_USER", "hpcother")
+
+
+def require_other_user(script: str) -> str:
+    """OTHER_USER, or a failure naming the script that creates it (never a skip)."""
+    import pwd
+
+    try:
+        pwd.getpwnam(OTHER_USER)
+    except KeyError:
+        pytest.fail(
+            f"no unix user {OTHER_USER!r} to submit another user's jobs: run 'bash deploy/dev/setup.sh' "
+            f"(or 'bash deploy/dev/{script} up'), which creates it"
+        )
+    return OTHER_USER
+
+
+def job_parameters_json(**overrides: Any) -> dict[str, Any]:
+    """The smallest parameter file ``worker.job.JobParameters.from_json`` reads."""
+    raw: dict[str, Any] = {
+        "correlation_id": "c",
+        "reply_to": "q",
+        "inputs": {},
+        "layers": [],
+        "settings": {},
+        "rodan": {"base_url": "http://rodan"},
+        "broker": {"url": "amqp://x"},
+        "spool": "spool",
+    }
+    raw.update(overrides)
+    return raw

@@ -31,6 +31,7 @@ from tests.conftest import (
     bridge_environ,
     cancel_ledger_jobs,
     cancel_spool_jobs,
+    job_parameters_json,
     jobs_named,
     run_bridge,
     wait_until,
@@ -346,17 +347,6 @@ def test_the_workers_error_replies_do_not_show_the_installation(tmp_path):
     from worker.job import JobParameters, _describe
 
     spool = tmp_path / "spool"
-    params = JobParameters.from_json(
-        {
-            "correlation_id": "c",
-            "reply_to": "q",
-            "inputs": {},
-            "layers": [],
-            "settings": {},
-            "rodan": {"base_url": "http://rodan"},
-            "broker": {"url": "amqp://x"},
-            "spool": str(spool),
-        }
-    )
+    params = JobParameters.from_json(job_parameters_json(spool=str(spool)))
     text = _describe(FileNotFoundError(2, "No such file", str(spool / "runs" / "x" / "inputs" / "Image")), params)
     assert str(spool) not in text and "<runs>/x/inputs/Image" in text, text

@@ -6,7 +6,6 @@ user's jobs named like ours, an array job, and a held job's pending reason."""
 from __future__ import annotations
 
 import os
-import pwd
 import stat
 import subprocess
 import time
@@ -21,6 +20,7 @@ from bridge.errors import SchedulerRejected, SchedulerUnavailable
 from bridge.schedulers import BACKENDS, GridEngineScheduler, JobInfo, JobSpec, JobState, get_scheduler
 from bridge.schedulers.gridengine import STATE_TABLE, accounting_info, parse_job_details, parse_qacct, translate
 from bridge.shell import run_command
+from tests.conftest import require_other_user
 
 GOLDEN = Path(__file__).parent / "golden" / "gridengine_job.sh"
 
@@ -745,20 +745,11 @@ def test_real_time_limit_ends_as_timeout(ge: GridEngineScheduler, time_limited: 
 
 # --- the real Grid Engine: only our jobs ----------------------------------------------------------
 
-OTHER_USER = os.environ.get("HPC_DEV_OTHER_USER", "hpcother")
-
 
 @pytest.fixture(scope="module")
 def other_user(gridengine: None) -> str:
     """A second unix user who may submit jobs (deploy/dev/gridengine.sh up creates it). Fails, never skips."""
-    try:
-        pwd.getpwnam(OTHER_USER)
-    except KeyError:
-        pytest.fail(
-            f"no unix user {OTHER_USER!r} to submit another user's jobs: run 'bash deploy/dev/setup.sh' "
-            "(or 'bash deploy/dev/gridengine.sh up'), which creates it"
-        )
-    return OTHER_USER
+    return require_other_user("gridengine.sh")
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ from PIL import EpsImagePlugin, Image
 from bridge.errors import PermanentError, RodanAuthError, TransientError
 from bridge.rodan import DEFAULT_MAX_INPUT_BYTES, DEFAULT_MAX_INPUT_PIXELS, InputInfo, RodanClient
 from bridge.standin.server import PNG_SIGNATURE, RodanStandin, User
+from tests.conftest import job_parameters_json
 from worker.trainer import TrainingInputError, load_page
 
 EMAIL, PASSWORD = "hpc@example.org", "pw-bounded"
@@ -386,16 +387,7 @@ def test_the_pixel_limit_is_the_callers_not_pillows(tmp_path: Path, monkeypatch:
 def test_parameter_files_without_limits_get_the_defaults() -> None:
     from worker.job import JobParameters
 
-    raw: dict[str, Any] = {
-        "correlation_id": "c",
-        "reply_to": "q",
-        "inputs": {},
-        "layers": [],
-        "settings": {},
-        "rodan": {"base_url": "http://rodan"},
-        "broker": {"url": "amqp://x"},
-        "spool": "spool",
-    }
+    raw = job_parameters_json()
     old = JobParameters.from_json(raw)
     assert (old.max_input_bytes, old.max_input_pixels) == (DEFAULT_MAX_INPUT_BYTES, DEFAULT_MAX_INPUT_PIXELS)
     new = JobParameters.from_json({**raw, "limits": {"max_input_bytes": 5000, "max_input_pixels": 7000}})

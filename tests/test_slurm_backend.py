@@ -20,6 +20,7 @@ from bridge.errors import SchedulerRejected, SchedulerUnavailable
 from bridge.schedulers import JobInfo, JobSpec, JobState, SlurmScheduler, get_scheduler, slurm_cluster_args
 from bridge.schedulers.slurm import STATE_TABLE, translate
 from bridge.shell import run_command
+from tests.conftest import require_other_user
 
 GOLDEN = Path(__file__).parent / "golden" / "slurm_job.sh"
 
@@ -263,20 +264,11 @@ def test_odd_scheduler_output_never_raises(tmp_path: Path, monkeypatch: pytest.M
 
 # --- the real Slurm: only our jobs ------------------------------------------------------------------
 
-OTHER_USER = os.environ.get("HPC_DEV_OTHER_USER", "hpcother")
-
 
 @pytest.fixture(scope="module")
 def other_user(slurm: None) -> str:
     """A second unix user who may submit jobs (deploy/dev/slurm.sh up creates it). Fails, never skips."""
-    try:
-        pwd.getpwnam(OTHER_USER)
-    except KeyError:
-        pytest.fail(
-            f"no unix user {OTHER_USER!r} to submit another user's jobs: run 'bash deploy/dev/setup.sh' "
-            "(or 'bash deploy/dev/slurm.sh up'), which creates it"
-        )
-    return OTHER_USER
+    return require_other_user("slurm.sh")
 
 
 @pytest.fixture
