@@ -156,7 +156,7 @@ class Intake:
                         f"internal error in the HPC bridge while handling this request ({type(exc).__name__}); "
                         "the operator's log has the details (event request_crashed)",
                     )
-            if counted and record.deliveries:
+            if counted and record.deliveries:  # a path that saved nothing (a duplicate): clear it here
                 record.deliveries = 0
                 self.ledger.save(record)
             return decision
@@ -173,10 +173,7 @@ class Intake:
                 log.warning("request_quarantine_lookup_failed", error=str(exc))
                 return Decision(Outcome.DEFERRED, str(exc), record)
             if adopted:
-                record.deliveries = 0
-                self.ledger.save(record)
                 return Decision(Outcome.SUBMITTED, record=record)
-        record.deliveries = 0
         return self._reject(
             record,
             f"the HPC bridge stopped {self.config.poison_limit} times while handling this request (a crash "
@@ -225,6 +222,7 @@ class Intake:
                 )
             if record.state is not RequestState.SUBMITTING:
                 record.state = RequestState.RECEIVED
+            record.deliveries = 0  # this delivery is settled: the save that ends it clears the count
             self.ledger.save(record)
             log.warning("request_deferred", error=record.reason, attempts=record.attempts, waited_s=round(waited, 1))
             return Decision(Outcome.DEFERRED, record.reason, record)
@@ -291,6 +289,7 @@ class Intake:
         record.submitted_at = time.time()
         record.reason = ""
         record.deferred_since = 0.0
+        record.deliveries = 0
         self.ledger.save(record)
         fault_point("after_record")
         structlog.contextvars.bind_contextvars(job_id=job_id)
@@ -365,6 +364,7 @@ class Intake:
         ids = self.scheduler.find_by_name(record.job_name) if record.job_name else []
         if not ids:
             return False
+        record.deliveries = 0
         self.ledger.adopt_job(record, ids)
         log.warning("request_adopted_job", job_id=ids[0], jobs_with_name=ids)
         return True
@@ -375,6 +375,7 @@ class Intake:
         record.state = RequestState.REJECTED
         record.reason = reason
         record.outcome = "error"
+        record.deliveries = 0
         self.ledger.save(record)
         # A request given up on after its parameter file was written: the token must not stay on disk.
         self.spool.params_path(record.key).unlink(missing_ok=True)

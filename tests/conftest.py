@@ -401,3 +401,13 @@ def job_parameters_json(**overrides: Any) -> dict[str, Any]:
     }
     raw.update(overrides)
     return raw
+
+
+def fake_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str, body: str) -> None:
+    """Put a ``/bin/sh`` script named ``command`` first on PATH for this test."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    script = bindir / command
+    script.write_text("#!/bin/sh\n" + body)
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")

@@ -45,6 +45,8 @@ import pika.exceptions
 from hypothesis import strategies as st
 from pika.adapters.blocking_connection import BlockingChannel
 
+from tests.conftest import FAST_SETTINGS
+
 MIB = 1 << 20
 REASON_HEADER = "x-hpc-bridge-reason"  # what marks a dead-letter copy (docs/operator-guide.md)
 
@@ -52,15 +54,7 @@ REASON_HEADER = "x-hpc-bridge-reason"  # what marks a dead-letter copy (docs/ope
 
 OLD_NAMES = ["Image", "Background", "Selected Regions", "Music Layer", "Staff Layer", "Text"]
 NEW_PREFIX = "rgba PNG - Layer "
-SETTINGS_OK: dict[str, Any] = {  # tests/conftest.py FAST_SETTINGS: valid, and accepted by the dev clusters
-    "Maximum number of training epochs": 2,
-    "Maximum number of samples per label": 100,
-    "Patch height": 64,
-    "Patch width": 64,
-    "Maximum time (D-HH:MM)": "0-00:15",
-    "Maximum memory (MB)": 4096,
-    "CPUs": 1,
-}
+SETTINGS_OK: dict[str, Any] = FAST_SETTINGS  # valid, and accepted by the dev clusters
 SETTING_NAMES = [
     *SETTINGS_OK,
     "Slurm Notification Email",

@@ -6,7 +6,6 @@ user's jobs named like ours, an array job, and a held job's pending reason."""
 from __future__ import annotations
 
 import os
-import stat
 import subprocess
 import time
 import uuid
@@ -20,7 +19,7 @@ from bridge.errors import SchedulerRejected, SchedulerUnavailable
 from bridge.schedulers import BACKENDS, GridEngineScheduler, JobInfo, JobSpec, JobState, get_scheduler
 from bridge.schedulers.gridengine import STATE_TABLE, accounting_info, parse_job_details, parse_qacct, translate
 from bridge.shell import run_command
-from tests.conftest import require_other_user
+from tests.conftest import fake_command, require_other_user
 
 GOLDEN = Path(__file__).parent / "golden" / "gridengine_job.sh"
 
@@ -299,15 +298,6 @@ def test_qacct_parsing_keeps_every_field() -> None:
 # --- commands, faked ---------------------------------------------------------------------------
 
 
-def _fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str, body: str) -> None:
-    bindir = tmp_path / "bin"
-    bindir.mkdir(exist_ok=True)
-    script = bindir / command
-    script.write_text("#!/bin/sh\n" + body)
-    script.chmod(script.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
-
-
 @pytest.mark.parametrize(
     "message",
     [
@@ -323,7 +313,7 @@ def _fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str, body: s
     ],
 )
 def test_permanent_rejection_is_quoted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, message: str) -> None:
-    _fake(tmp_path, monkeypatch, "qsub", f"cat >&2 <<'EOF'\n{message}\nExiting.\nEOF\nexit 1\n")
+    fake_command(tmp_path, monkeypatch, "qsub", f"cat >&2 <<'EOF'\n{message}\nExiting.\nEOF\nexit 1\n")
     with pytest.raises(SchedulerRejected) as err:
         GridEngineScheduler().submit(tmp_path / "job.sh", spec())
     assert str(err.value) == message
@@ -339,13 +329,13 @@ def test_permanent_rejection_is_quoted(tmp_path: Path, monkeypatch: pytest.Monke
     ],
 )
 def test_qmaster_down_is_transient(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, message: str) -> None:
-    _fake(tmp_path, monkeypatch, "qsub", f"cat >&2 <<'EOF'\n{message}\nExiting.\nEOF\nexit 1\n")
+    fake_command(tmp_path, monkeypatch, "qsub", f"cat >&2 <<'EOF'\n{message}\nExiting.\nEOF\nexit 1\n")
     with pytest.raises(SchedulerUnavailable, match=r"^qsub failed: .*(qmaster|gdi request)"):
         GridEngineScheduler().submit(tmp_path / "job.sh", spec())
 
 
 def test_hanging_qsub_times_out_as_transient(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _fake(tmp_path, monkeypatch, "qsub", "sleep 30\n")
+    fake_command(tmp_path, monkeypatch, "qsub", "sleep 30\n")
     with pytest.raises(SchedulerUnavailable, match="timed out"):
         GridEngineScheduler(timeout_s=0.5).submit(tmp_path / "job.sh", spec())
 
@@ -354,7 +344,7 @@ def test_submit_arguments_job_id_and_no_credentials(tmp_path: Path, monkeypatch:
     monkeypatch.setenv("RABBITMQ_PASSWORD", "hunter2")
     monkeypatch.setenv("RODAN_PASSWORD", "hunter3")
     out = tmp_path / "env.txt"
-    _fake(tmp_path, monkeypatch, "qsub", f'env > "{out}"\necho "$@" > "{out}.args"\necho 42.1-3:1\n')
+    fake_command(tmp_path, monkeypatch, "qsub", f'env > "{out}"\necho "$@" > "{out}.args"\necho 42.1-3:1\n')
     job = spec(hold_after="41", extra_args=("-p", "-5"))
     assert GridEngineScheduler().submit(tmp_path / "job.sh", job) == "42"
     env = out.read_text()
@@ -400,7 +390,7 @@ def test_query_prefers_the_queue_then_the_last_accounting_record(
     (tmp_path / "qacct.21").write_text(qacct_record("21", "0    ", "0", "1s"))
     (tmp_path / "qacct.23").write_text(qacct_record("23", "25  : rescheduling", "99", "1s") * 2)
     (tmp_path / "qacct.rodan-a").write_text(qacct_record("5", "0    ", "0", "1s").replace("rodan-x", "rodan-a"))
-    _fake(
+    fake_command(
         tmp_path,
         monkeypatch,
         "qstat",
@@ -425,7 +415,7 @@ def test_query_prefers_the_queue_then_the_last_accounting_record(
 
 def _fake_qacct(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """qacct printing the file qacct.JOB (JOB: its last argument), else "not found"; it records its arguments."""
-    _fake(
+    fake_command(
         tmp_path,
         monkeypatch,
         "qacct",
@@ -436,8 +426,8 @@ def _fake_qacct(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_no_jobs_and_no_accounting_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _fake(tmp_path, monkeypatch, "qstat", "exit 0\n")
-    _fake(tmp_path, monkeypatch, "qacct", "echo 'No jobs running since startup'\nexit 1\n")
+    fake_command(tmp_path, monkeypatch, "qstat", "exit 0\n")
+    fake_command(tmp_path, monkeypatch, "qacct", "echo 'No jobs running since startup'\nexit 1\n")
     assert GridEngineScheduler().query(["5"]) == {}
     assert GridEngineScheduler().find_by_name("rodan-a") == []
 
@@ -448,7 +438,7 @@ def test_qmaster_down_for_queries_ping_and_cancel(tmp_path: Path, monkeypatch: p
         "echo 'error: unable to send message to qmaster using port 6444 on host \"vm\": got send error' >&2\nexit 1\n"
     )
     for command in ("qstat", "qdel"):
-        _fake(tmp_path, monkeypatch, command, down)
+        fake_command(tmp_path, monkeypatch, command, down)
     ge = GridEngineScheduler()
     for call in (lambda: ge.query(["5"]), ge.ping, lambda: ge.find_by_name("x"), lambda: ge.cancel("5")):
         with pytest.raises(SchedulerUnavailable, match="unable to send message to qmaster"):
@@ -456,7 +446,7 @@ def test_qmaster_down_for_queries_ping_and_cancel(tmp_path: Path, monkeypatch: p
 
 
 def test_cancel_of_a_job_that_is_gone_is_fine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _fake(tmp_path, monkeypatch, "qdel", "echo 'denied: job \"99999\" does not exist' >&2\nexit 1\n")
+    fake_command(tmp_path, monkeypatch, "qdel", "echo 'denied: job \"99999\" does not exist' >&2\nexit 1\n")
     GridEngineScheduler().cancel("99999")
 
 
@@ -491,7 +481,7 @@ def test_only_our_jobs_are_read_adopted_or_deleted(tmp_path: Path, monkeypatch: 
     for key in ("rodan-a", "40", "41", "42"):
         (tmp_path / f"qacct.{key}").write_text(records)
     calls = tmp_path / "calls.txt"
-    _fake(
+    fake_command(
         tmp_path,
         monkeypatch,
         "qstat",
@@ -500,7 +490,7 @@ def test_only_our_jobs_are_read_adopted_or_deleted(tmp_path: Path, monkeypatch: 
         "-j) printf '==========\\njob_number:  31\\nscheduling info:   Job is in hold state\\n';;\nesac\n",
     )
     _fake_qacct(tmp_path, monkeypatch)
-    _fake(tmp_path, monkeypatch, "qdel", f'echo "qdel $*" >> "{calls}"\n')
+    fake_command(tmp_path, monkeypatch, "qdel", f'echo "qdel $*" >> "{calls}"\n')
     ge = GridEngineScheduler(user="hpcbt")
     assert ge.find_by_name("rodan-a") == ["31", "41"]
     found = ge.query(["30", "31", "32", "40", "41", "42", "3x", ""])
@@ -540,11 +530,11 @@ scheduling info:            (Collecting of scheduler job information is turned o
 
 
 def test_odd_qstat_output_never_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _fake(tmp_path, monkeypatch, "qstat", "printf '<job_info><job_list><JB_job_number>\\377</JB_job_number>'\n")
+    fake_command(tmp_path, monkeypatch, "qstat", "printf '<job_info><job_list><JB_job_number>\\377</JB_job_number>'\n")
     with pytest.raises(SchedulerUnavailable, match="unreadable XML"):
         GridEngineScheduler(user="hpcbt").query(["5"])
-    _fake(tmp_path, monkeypatch, "qstat", "printf '\\377\\376 garbage\\n'\n")
-    _fake(tmp_path, monkeypatch, "qacct", "printf 'jobnumber \\377\\n'\nexit 1\n")
+    fake_command(tmp_path, monkeypatch, "qstat", "printf '\\377\\376 garbage\\n'\n")
+    fake_command(tmp_path, monkeypatch, "qacct", "printf 'jobnumber \\377\\n'\nexit 1\n")
     with pytest.raises(SchedulerUnavailable):
         GridEngineScheduler(user="hpcbt").find_by_name("rodan-a")
 

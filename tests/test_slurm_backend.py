@@ -20,7 +20,7 @@ from bridge.errors import SchedulerRejected, SchedulerUnavailable
 from bridge.schedulers import JobInfo, JobSpec, JobState, SlurmScheduler, get_scheduler, slurm_cluster_args
 from bridge.schedulers.slurm import STATE_TABLE, translate
 from bridge.shell import run_command
-from tests.conftest import require_other_user
+from tests.conftest import fake_command, require_other_user
 
 GOLDEN = Path(__file__).parent / "golden" / "slurm_job.sh"
 
@@ -145,15 +145,6 @@ def test_submit_environment_has_no_credentials(tmp_path: Path, monkeypatch: pyte
 # --- only our jobs, and odd output, with fake commands ---------------------------------------------
 
 
-def _fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str, body: str) -> None:
-    bindir = tmp_path / "bin"
-    bindir.mkdir(exist_ok=True)
-    script = bindir / command
-    script.write_text("#!/bin/sh\n" + body)
-    script.chmod(script.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
-
-
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
@@ -188,22 +179,22 @@ def test_get_scheduler_passes_the_cluster_on() -> None:
 def test_every_command_carries_our_user_and_the_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = tmp_path / "calls.txt"
     record = f'echo "$(basename "$0") $*" >> "{calls}"\n'
-    _fake(
+    fake_command(
         tmp_path,
         monkeypatch,
         "squeue",
         record + 'case "$*" in\n*"%i|%T|%r"*) echo "5|PENDING|Priority";;\n*"%i|%T"*) echo "5|PENDING";;\n'
         "*) echo 5;;\nesac\n",
     )
-    _fake(
+    fake_command(
         tmp_path,
         monkeypatch,
         "sacct",
         record + 'case "$*" in\n*State*) echo "6|6|COMPLETED|0:0|00:00:01";;\n*) echo "6|6";;\nesac\n',
     )
-    _fake(tmp_path, monkeypatch, "scancel", record)
-    _fake(tmp_path, monkeypatch, "scontrol", record + 'echo "Slurmctld(primary) at vm is UP"\n')
-    _fake(tmp_path, monkeypatch, "sbatch", record + 'echo "42;beluga"\n')
+    fake_command(tmp_path, monkeypatch, "scancel", record)
+    fake_command(tmp_path, monkeypatch, "scontrol", record + 'echo "Slurmctld(primary) at vm is UP"\n')
+    fake_command(tmp_path, monkeypatch, "sbatch", record + 'echo "42;beluga"\n')
     scheduler = get_scheduler("slurm", scheduler_args=("-M", "beluga"), options={"user": "hpcbt"})
     job = spec(extra_args=("-M", "beluga"))
     assert scheduler.submit(tmp_path / "job.sh", job) == "42"
@@ -232,7 +223,7 @@ def test_every_command_carries_our_user_and_the_cluster(tmp_path: Path, monkeypa
 def test_odd_scheduler_output_never_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     garbage = r"printf '\n  \n|\ngarbage\nabc|RUNNING|None\n\377\376|PENDING|x\n\331\243|RUNNING|None\n'"
     reason = "ReqNodeNotAvail, UnavailableNodes:" + "n" * 400
-    _fake(
+    fake_command(
         tmp_path,
         monkeypatch,
         "squeue",
@@ -242,7 +233,7 @@ def test_odd_scheduler_output_never_raises(tmp_path: Path, monkeypatch: pytest.M
         f'echo "11|PENDING|{reason}"; echo "12|PENDING|None";;\n'
         '*) echo "7"; echo "123_1"; echo "124_[0-3]"; echo " 8 "; echo "125+0";;\nesac\n',
     )
-    _fake(
+    fake_command(
         tmp_path,
         monkeypatch,
         "sacct",
