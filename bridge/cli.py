@@ -12,6 +12,7 @@ from bridge.config import BridgeConfig, load_config
 from bridge.errors import ConfigError
 from bridge.logs import configure_logging, register_secret
 from bridge.progress import MODES
+from bridge.version import package_version
 
 EXAMPLES = """examples:
   hpc-bridge check                      # one pass: what cron's run_check runs
@@ -43,11 +44,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--credentials", type=Path, help="credentials.env (default: $HPC_BRIDGE_CREDENTIALS or ./credentials.env)"
     )
+    parser.add_argument("--version", action="version", version=f"hpc-bridge {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser(
         "check",
         help="one pass: drain the request queue, reconcile jobs, publish pending replies, exit",
-        epilog="example: */5 * * * * /opt/hpc-bridge/deploy/run_check",
+        epilog="example: * * * * * /opt/hpc-bridge/deploy/run_check (hpc-bridge install cron writes it)",
     )
     sub.add_parser(
         "run",
@@ -78,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     from bridge.ops import add_parsers
 
     add_parsers(sub)  # status, doctor, logs, ... (bridge/ops/)
+    for command in sub.choices.values():  # `hpc-bridge doctor --credentials F` works as well
+        command.add_argument("--credentials", type=Path, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     if args.command == "chain":  # no broker, no Rodan: no credentials.env either
@@ -90,23 +94,39 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.credentials)
     except ConfigError as exc:
-        print(f"hpc-bridge: configuration error: {exc}", file=sys.stderr)
-        return 2
+        return configuration_error(exc)
     for secret in config.secrets:
         register_secret(secret)
-    configure_logging(level=config.log_level, log_file=config.log_file, component="bridge")
+    try:
+        configure_logging(level=config.log_level, log_file=config.log_file, component="bridge")
+    except OSError as exc:
+        return configuration_error(ConfigError(f"HPC_LOG_FILE {config.log_file} cannot be written: {exc.strerror}"))
 
     if args.command in ("check", "run"):
         from bridge.runner import Bridge
 
         bridge = Bridge(config)
         bridge.install_signal_handlers()
-        return bridge.check() if args.command == "check" else bridge.run()
+        try:
+            return bridge.check() if args.command == "check" else bridge.run()
+        except ConfigError as exc:  # e.g. the spool lock on a filesystem without locks
+            return configuration_error(exc)
     if args.command == "enqueue":
         return _enqueue(config, args)
     if getattr(args, "operator", None) is not None:
         return int(args.operator(config, args))
     parser.error(f"unknown command {args.command}")
+    return 2
+
+
+def configuration_error(exc: ConfigError) -> int:
+    """Print every problem of a configuration, one per line, and return exit status 2."""
+    if len(exc.problems) == 1:
+        print(f"hpc-bridge: configuration error: {exc.problems[0]}", file=sys.stderr)
+    else:
+        print(f"hpc-bridge: {len(exc.problems)} configuration errors:", file=sys.stderr)
+        for problem in exc.problems:
+            print(f"  - {problem}", file=sys.stderr)
     return 2
 
 

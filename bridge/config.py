@@ -6,14 +6,17 @@ malformed setting raises :class:`ConfigError` naming it, at start-up.
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import os
+import re
 import shlex
 import stat
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 from urllib.parse import quote, unquote, urlsplit
 
 from dotenv import dotenv_values
@@ -23,6 +26,7 @@ from bridge.protocol import without_private
 from bridge.rodan import DEFAULT_MAX_INPUT_BYTES, DEFAULT_MAX_INPUT_PIXELS
 
 DEFAULT_CREDENTIALS = Path("credentials.env")
+T = TypeVar("T")
 #: HPC_MIXED_PRECISION's values: the trainer's TrainSettings.mixed_precision (worker/trainer/settings.py).
 MIXED_PRECISION_CHOICES = ("off", "float16", "bfloat16")
 #: Accepted spellings of HPC_SCHEDULER -> the backend's name.
@@ -89,6 +93,13 @@ class BridgeConfig:
     log_file: Path | None = None
     log_level: str = "INFO"
     metrics_file: Path | None = None  # Prometheus text-format metrics, rewritten after every pass
+    job_prologue: str = ""  # shell lines run in every batch job before the worker (module load, proxies)
+    job_directives: tuple[str, ...] = ()  # extra '#SBATCH'/'#$' lines, each entry one directive's text
+    slurm_continue: str = "requeue"  # how a Slurm job continues past its limit: requeue or successor
+    max_active_jobs: int = 0  # jobs the bridge keeps in the scheduler at once (0: no cap)
+    runs_shared: str = "private"  # run directories: private (0700) or group (0750/0640)
+    status_queue: str = "hpc-bridge.status"  # where the heartbeat/status message goes ("": none)
+    status_interval_s: float = 60.0  # how often the daemon publishes it
     credentials_file: Path | None = None
 
     @property
@@ -126,8 +137,9 @@ class BridgeConfig:
         if self.runs_dir is not None:
             paths[str(self.runs_dir)] = "<runs>"
         venv = Path(self.worker_python).parent.parent
-        if len(venv.parts) > 2:
-            paths[str(venv)] = "<worker environment>"
+        for environment in (venv, Path(os.path.realpath(venv))):  # jobs run the resolved one (upgrade.md)
+            if len(environment.parts) > 2:
+                paths[str(environment)] = "<worker environment>"
         names = {self.slurm_account: "<account>", self.sge_project: "<project>"}
         names.update({self.slurm_partition: "<partition>", self.sge_queue: "<queue>"})
         return without_private(text, paths, names)
@@ -152,22 +164,45 @@ class BridgeConfig:
         return [s for s in {self.rodan_password, password, unquote(password)} if s]
 
 
+@dataclass(frozen=True)
+class Settings:
+    """The raw settings and where they came from (for messages that say where to look)."""
+
+    values: dict[str, str]
+    path: Path | None  # the credentials file read, if any
+    file_keys: frozenset[str]  # the names the file set (judged for typos; the environment is not)
+    looked: str  # where a credentials file was looked for, in words
+
+
 def read_settings(credentials: Path | None = None, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The raw settings: the credentials file, then the environment on top."""
+    return read_sources(credentials, environ).values
+
+
+def read_sources(credentials: Path | None = None, environ: Mapping[str, str] | None = None) -> Settings:
     env = dict(os.environ if environ is None else environ)
-    path = credentials or (Path(env["HPC_BRIDGE_CREDENTIALS"]) if env.get("HPC_BRIDGE_CREDENTIALS") else None)
+    from_env = env.get("HPC_BRIDGE_CREDENTIALS", "")
+    path = credentials or (Path(from_env) if from_env else None)
+    looked = (
+        "--credentials (not given), $HPC_BRIDGE_CREDENTIALS (not set) and "
+        f"{DEFAULT_CREDENTIALS} in the current directory {Path.cwd()} (absent)"
+    )
     values: dict[str, str] = {}
     if path is None and DEFAULT_CREDENTIALS.exists():
         path = DEFAULT_CREDENTIALS
+    file_keys: frozenset[str] = frozenset()
     if path is not None:
         if not path.exists():
             raise ConfigError(f"credentials file {path} does not exist")
         check_private(path)
         # No ${VAR} expansion: a password may contain any character.
-        values.update({k: v for k, v in dotenv_values(path, interpolate=False).items() if v is not None})
+        from_file = {k: v for k, v in dotenv_values(path, interpolate=False).items() if v is not None}
+        values.update(from_file)
+        file_keys = frozenset(from_file)
         values["HPC_BRIDGE_CREDENTIALS"] = str(path.resolve())
-    values.update({k: v for k, v in env.items() if k.startswith(("RABBITMQ_", "RODAN_", "HPC_"))})
-    return values
+        looked = str(path)
+    values.update({k: v for k, v in env.items() if k.startswith(SETTING_PREFIXES)})
+    return Settings(values, path, file_keys, looked)
 
 
 def check_private(path: Path) -> None:
@@ -181,33 +216,52 @@ def check_private(path: Path) -> None:
 
 
 def load_config(credentials: Path | None = None, environ: Mapping[str, str] | None = None) -> BridgeConfig:
-    raw = read_settings(credentials, environ)
+    """The configuration, or one :class:`ConfigError` listing every problem found (not just the first)."""
+    source = read_sources(credentials, environ)
+    config, get = _build(source.values)
+    problems = get.problems + placeholders(source.values) + unknown_keys(source, get.asked)
+    if problems:
+        if source.path is None:
+            problems.append(f"no credentials file was read: looked for {source.looked}")
+        raise ConfigError.listing(problems)
+    return config
+
+
+def _build(raw: Mapping[str, str]) -> tuple[BridgeConfig, _Getter]:
+    """The configuration from ``raw``, and the getter holding the problems found on the way."""
     get = _Getter(raw)
     rodan_user = get.text("RODAN_USER", "")
     rodan_email = get.text("RODAN_EMAIL", rodan_user if "@" in rodan_user else "")
     if not rodan_user and not rodan_email:
-        raise ConfigError("RODAN_USER (or RODAN_EMAIL) is not set")
+        get.problem("RODAN_USER (or RODAN_EMAIL) is not set")
     scheme = get.text("RODAN_SCHEME", "https")
     if scheme not in {"http", "https"}:
-        raise ConfigError(f"RODAN_SCHEME must be http or https, got {scheme!r}")
+        get.problem(f"RODAN_SCHEME must be http or https, got {scheme!r}")
     rodan_host = get.required("RODAN_HOST")
-    if "/" in rodan_host or not rodan_host.strip():
-        raise ConfigError(f"RODAN_HOST must be host or host:port without a scheme or path, got {rodan_host!r}")
+    if rodan_host and ("/" in rodan_host or not rodan_host.strip()):
+        get.problem(f"RODAN_HOST must be host or host:port without a scheme or path, got {rodan_host!r}")
     scheduler = SCHEDULER_ALIASES.get(get.text("HPC_SCHEDULER", "slurm").lower(), "")
     if not scheduler:
-        raise ConfigError(f"HPC_SCHEDULER must be 'slurm' or 'gridengine', got {raw.get('HPC_SCHEDULER')!r}")
+        get.problem(f"HPC_SCHEDULER must be 'slurm' or 'gridengine', got {raw.get('HPC_SCHEDULER')!r}")
     node_local = get.text("HPC_NODE_LOCAL_DIR", "")
     worker_python = get.text("HPC_WORKER_PYTHON", sys.executable)
     if not Path(worker_python).is_absolute():
-        raise ConfigError(
+        get.problem(
             f"HPC_WORKER_PYTHON must be an absolute path, got {worker_python!r}: batch jobs start with the "
             "cluster's login PATH (Grid Engine resets it), not yours"
         )
-    reply_patterns = parse_reply_queues(get.text("HPC_REPLY_QUEUE", "hpc-results"))
+    default_reply: tuple[str, ...] = ("hpc-results",)
+    reply_patterns = get.parsed("HPC_REPLY_QUEUE", parse_reply_queues, default_reply, "hpc-results")
+    status_queue = get.text("HPC_STATUS_QUEUE", "hpc-bridge.status")
+    status_queue = "" if status_queue.lower() in {"none", "off"} else status_queue
+    if len(status_queue.encode("utf-8")) > 255 or any(c.isspace() or c in "*?[" for c in status_queue):
+        get.problem(f"HPC_STATUS_QUEUE must be one queue name (or none), got {status_queue!r}")
     log_file = get.text("HPC_LOG_FILE", "")
     metrics_file = get.text("HPC_METRICS_FILE", "")
-    return BridgeConfig(
-        broker_url=broker_url_from(raw),
+    runs_dir = get.text("HPC_RUNS_DIR", "")
+    no_directives: tuple[str, ...] = ()
+    config = BridgeConfig(
+        broker_url=get.parsed("RABBITMQ_URL", lambda _text: broker_url_from(raw), "amqp://invalid/", "-"),
         rodan_scheme=scheme,
         rodan_host=rodan_host,
         rodan_user=rodan_user or rodan_email,
@@ -217,7 +271,7 @@ def load_config(credentials: Path | None = None, environ: Mapping[str, str] | No
         reply_queue=reply_patterns[0],
         dead_letter_queue=get.text("HPC_DEAD_LETTER_QUEUE", "hpc-bridge.dead-letter"),
         spool_dir=Path(get.text("HPC_SPOOL_DIR", str(Path.home() / "hpc-bridge-spool"))).expanduser(),
-        scheduler=scheduler,
+        scheduler=scheduler or "slurm",
         slurm_account=get.text("HPC_SLURM_ACCOUNT", ""),
         slurm_partition=get.text("HPC_SLURM_PARTITION", ""),
         sge_project=get.text("HPC_SGE_PROJECT", ""),
@@ -225,8 +279,8 @@ def load_config(credentials: Path | None = None, environ: Mapping[str, str] | No
         sge_pe=get.text("HPC_SGE_PE", "smp"),
         sge_gpu_resource=get.text("HPC_SGE_GPU_RESOURCE", "gpu"),
         sge_memory_resource=get.text("HPC_SGE_MEMORY_RESOURCE", "mem_free"),
-        gpu_rules=parse_gpu_rules(get.text("HPC_GPU_RULES", "gpu:1")),
-        scheduler_args=tuple(_split("HPC_SCHEDULER_ARGS", get.text("HPC_SCHEDULER_ARGS", ""))),
+        gpu_rules=get.parsed("HPC_GPU_RULES", parse_gpu_rules, (GpuRule(0, "gpu:1"),), "gpu:1"),
+        scheduler_args=get.parsed("HPC_SCHEDULER_ARGS", _split, (), ""),
         worker_python=worker_python,
         reply_queue_patterns=reply_patterns,
         reply_wait_s=get.number("HPC_REPLY_WAIT", 86400.0),
@@ -246,7 +300,7 @@ def load_config(credentials: Path | None = None, environ: Mapping[str, str] | No
         broker_heartbeat_s=get.integer("HPC_BROKER_HEARTBEAT", 30, minimum=1),
         broker_ca_file=get.text("RABBITMQ_CA_FILE", "") or None,
         missing_timeout_s=get.number("HPC_MISSING_TIMEOUT", 3600.0),
-        runs_dir=Path(get.text("HPC_RUNS_DIR", "")).expanduser() if get.text("HPC_RUNS_DIR", "") else None,
+        runs_dir=Path(runs_dir).expanduser() if runs_dir else None,
         save_optimizer=get.boolean("HPC_SAVE_OPTIMIZER", False),
         mixed_precision=get.choice("HPC_MIXED_PRECISION", "off", MIXED_PRECISION_CHOICES),
         warn_seconds=get.integer("HPC_WARN_SECONDS", 300, minimum=0),
@@ -255,10 +309,125 @@ def load_config(credentials: Path | None = None, environ: Mapping[str, str] | No
         checkpoint_sync_s=get.number("HPC_CHECKPOINT_SYNC", 60.0),
         training_seed=get.optional_integer("HPC_TRAINING_SEED", minimum=0),
         log_file=Path(log_file).expanduser() if log_file else None,
-        log_level=get.text("HPC_LOG_LEVEL", "INFO"),
+        log_level=get.choice("HPC_LOG_LEVEL", "INFO", LOG_LEVELS, lower=False),
         metrics_file=Path(metrics_file).expanduser() if metrics_file else None,
+        job_prologue=get.parsed("HPC_JOB_PROLOGUE", parse_prologue, "", "", strip=False),
+        job_directives=get.parsed("HPC_JOB_DIRECTIVES", parse_directives, no_directives, ""),
+        slurm_continue=get.choice("HPC_SLURM_CONTINUE", "requeue", SLURM_CONTINUE_CHOICES),
+        max_active_jobs=get.integer("HPC_MAX_ACTIVE_JOBS", 0, minimum=0),
+        runs_shared=get.choice("HPC_RUNS_SHARED", "private", RUNS_SHARED_CHOICES),
+        status_queue=status_queue,
+        status_interval_s=get.number("HPC_STATUS_INTERVAL", 60.0),
         credentials_file=Path(raw["HPC_BRIDGE_CREDENTIALS"]) if raw.get("HPC_BRIDGE_CREDENTIALS") else None,
     )
+    site_lines = {"HPC_JOB_PROLOGUE": config.job_prologue, "HPC_JOB_DIRECTIVES": "\n".join(config.job_directives)}
+    for name, text in site_lines.items():
+        if contains_secret(text, config.secrets):
+            get.problem(f"{name} contains a password from the credentials: batch scripts must never hold secrets")
+    if scheduler and config.job_directives:  # an option the bridge sets itself is refused now, not per job
+        from bridge.schedulers import get_scheduler
+
+        backend = get_scheduler(config.scheduler, options=config.scheduler_options)
+        for problem in backend.directive_problems(config.job_directives):
+            get.problem(problem)
+    return config, get
+
+
+#: Every prefix of a setting (only these are taken from the environment).
+SETTING_PREFIXES = ("RABBITMQ_", "RODAN_", "HPC_")
+#: Settings read outside ``load_config``'s getters (the broker's alternative names, the file's own path).
+OTHER_KEYS = frozenset(
+    {
+        "RABBITMQ_URL",
+        "RABBITMQ_HOST",
+        "RABBITMQ_PORT",
+        "RABBITMQ_USER",
+        "RABBITMQ_PASSWORD",
+        "RABBITMQ_VHOST",
+        "RABBITMQ_TLS",
+        "HPC_BRIDGE_CREDENTIALS",
+    }
+)
+#: Settings an older version read, and what replaced them.
+RETIRED_KEYS = {"HPC_MAX_ATTEMPTS": "replaced by HPC_DEFER_LIMIT (seconds a request may be deferred)"}
+PLACEHOLDER = "CHANGE_ME"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+SLURM_CONTINUE_CHOICES = ("requeue", "successor")
+RUNS_SHARED_CHOICES = ("private", "group")
+# What a directive may not hold: it is written verbatim after '#SBATCH ' / '#$ ' in a bash script.
+_DIRECTIVE_FORBIDDEN = set("\0#'\"\\$`;&|<>()\r")
+
+
+def known_keys() -> frozenset[str]:
+    """Every setting name ``load_config`` reads."""
+    _config, get = _build({})
+    return frozenset(get.asked) | OTHER_KEYS
+
+
+def placeholders(raw: Mapping[str, str]) -> list[str]:
+    """Values still holding credentials.env.example's CHANGE_ME placeholders."""
+    return [
+        f"{name} still holds the placeholder {PLACEHOLDER} from credentials.env.example: set the real value"
+        for name, value in sorted(raw.items())
+        if PLACEHOLDER in value
+    ]
+
+
+def unknown_keys(source: Settings, asked: set[str]) -> list[str]:
+    """Names in the credentials file that no setting has: typos (HPC_SCHEDULAR) and retired settings."""
+    known = asked | OTHER_KEYS
+    problems = []
+    for name in sorted(source.file_keys):
+        if not name.startswith(SETTING_PREFIXES) or name in known:
+            continue
+        if name in RETIRED_KEYS:
+            problems.append(f"{name} in {source.looked} is no longer read: {RETIRED_KEYS[name]}")
+            continue
+        close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        problems.append(f"{name} in {source.looked} is not a setting{hint}: see credentials.env.example")
+    return problems
+
+
+#: A secret at least this long is a leak wherever it appears; a shorter one only as a whole value.
+LONG_SECRET = 12
+# A whole value: after the start, white space, '=', ':' or a quote; before the end, white space, ';' or a quote.
+_VALUE_BEFORE = r"(?:^|(?<=[\s=:'\"]))"
+_VALUE_AFTER = r"(?=$|[\s;'\"])"
+
+
+def contains_secret(text: str, secrets: Iterable[str]) -> bool:
+    """Whether ``text`` holds one of ``secrets``. A short password may well be part of unrelated text
+    (``gpu`` in ``--gres=gpu:1``), so it counts only as a whole value (``--password=gpu``,
+    ``user:gpu``); a long one counts anywhere."""
+    for secret in (s for s in secrets if s):
+        if len(secret) >= LONG_SECRET and secret in text:
+            return True
+        if re.search(_VALUE_BEFORE + re.escape(secret) + _VALUE_AFTER, text, re.M):
+            return True
+    return False
+
+
+def parse_prologue(text: str) -> str:
+    """HPC_JOB_PROLOGUE: shell lines for the batch job. Any line is allowed but NUL."""
+    if "\0" in text:
+        raise ConfigError("HPC_JOB_PROLOGUE holds a NUL character")
+    return text.strip("\n")
+
+
+def parse_directives(text: str) -> tuple[str, ...]:
+    """HPC_JOB_DIRECTIVES: ``--constraint=v100; --qos=high`` or ``-l h_vmem=4G``, one directive per
+    entry (entries separated by ``;`` or new lines). Each is written after ``#SBATCH ``/``#$ ``."""
+    entries = []
+    for entry in (" ".join(e.split()) for e in text.replace("\n", ";").split(";")):
+        if not entry:
+            continue
+        bad = sorted(_DIRECTIVE_FORBIDDEN & set(entry))
+        if bad or not entry.startswith("-"):
+            why = f"holds {''.join(bad)!r}" if bad else "does not start with '-'"
+            raise ConfigError(f"HPC_JOB_DIRECTIVES entry {entry!r} {why}: each entry is one scheduler option")
+        entries.append(entry)
+    return tuple(entries)
 
 
 def broker_url_from(raw: Mapping[str, str]) -> str:
@@ -310,65 +479,95 @@ def parse_gpu_rules(text: str) -> tuple[GpuRule, ...]:
     return tuple(rules)
 
 
-def _split(name: str, text: str) -> list[str]:
+def _split(text: str) -> tuple[str, ...]:
     try:
-        return shlex.split(text)
+        return tuple(shlex.split(text))
     except ValueError as exc:
-        raise ConfigError(f"{name}: {exc}") from None
+        raise ConfigError(f"HPC_SCHEDULER_ARGS: {exc}") from None
 
 
 class _Getter:
+    """Reads settings by name, remembering every name asked and every problem (never raising), so
+    that one run reports all of them."""
+
     def __init__(self, raw: Mapping[str, str]) -> None:
         self.raw = raw
+        self.asked: set[str] = set()
+        self.problems: list[str] = []
+
+    def problem(self, message: str) -> None:
+        self.problems.append(message)
+
+    def _value(self, name: str) -> str:
+        self.asked.add(name)
+        return self.raw.get(name, "").strip()
 
     def text(self, name: str, default: str) -> str:
-        return self.raw.get(name, default).strip() or default
+        return self._value(name) or default
 
     def required(self, name: str) -> str:
-        value = self.raw.get(name, "")
-        if not value.strip():
-            raise ConfigError(f"{name} is not set")
-        return value
+        if not self._value(name):
+            self.problem(f"{name} is not set")
+            return ""
+        return self.raw[name]
+
+    def parsed(self, name: str, parse: Callable[[str], T], default: T, fallback_text: str, *, strip: bool = True) -> T:
+        """``parse(value)`` (``fallback_text`` when unset); a :class:`ConfigError` becomes a problem.
+        ``strip=False`` hands over the value as written (leading white space of shell lines kept)."""
+        text = self._value(name) if strip else self.raw.get(name, "")
+        self.asked.add(name)
+        try:
+            return parse(text or fallback_text)
+        except ConfigError as exc:
+            self.problem(str(exc))
+            return default
 
     def boolean(self, name: str, default: bool) -> bool:
-        value = self.raw.get(name, "").strip().lower()
+        value = self._value(name).lower()
         if not value:
             return default
         if value in {"1", "true", "yes", "on"}:
             return True
         if value in {"0", "false", "no", "off"}:
             return False
-        raise ConfigError(f"{name} must be true or false, got {value!r}")
+        self.problem(f"{name} must be true or false, got {value!r}")
+        return default
 
-    def choice(self, name: str, default: str, choices: tuple[str, ...]) -> str:
-        value = self.text(name, default).lower()
+    def choice(self, name: str, default: str, choices: tuple[str, ...], *, lower: bool = True) -> str:
+        value = self.text(name, default)
+        value = value.lower() if lower else value.upper()
         if value not in choices:
-            raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+            self.problem(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+            return default
         return value
 
     def integer(self, name: str, default: int, *, minimum: int = 0) -> int:
-        value = self.raw.get(name, "").strip()
+        value = self._value(name)
         if not value:
             return default
         try:
             number = int(value)
         except ValueError:
-            raise ConfigError(f"{name} must be a whole number, got {value!r}") from None
+            self.problem(f"{name} must be a whole number, got {value!r}")
+            return default
         if number < minimum:
-            raise ConfigError(f"{name} must be at least {minimum}, got {number}")
+            self.problem(f"{name} must be at least {minimum}, got {number}")
+            return default
         return number
 
     def optional_integer(self, name: str, *, minimum: int = 0) -> int | None:
-        return self.integer(name, 0, minimum=minimum) if self.raw.get(name, "").strip() else None
+        return self.integer(name, 0, minimum=minimum) if self._value(name) else None
 
     def number(self, name: str, default: float) -> float:
-        value = self.raw.get(name, "").strip()
+        value = self._value(name)
         if not value:
             return default
         try:
             number = float(value)
         except ValueError:
-            raise ConfigError(f"{name} must be a number, got {value!r}") from None
-        if number <= 0:
-            raise ConfigError(f"{name} must be positive, got {value!r}")
+            self.problem(f"{name} must be a number, got {value!r}")
+            return default
+        if not number > 0 or number == float("inf"):
+            self.problem(f"{name} must be positive, got {value!r}")
+            return default
         return number

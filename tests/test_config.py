@@ -160,3 +160,137 @@ def test_the_time_limit_warning_is_at_most_half_the_limit() -> None:
     assert config.warn_seconds_for(10) == 300
     assert config.warn_seconds_for(1) == 30
     assert load_config(environ={**BASE, "HPC_WARN_SECONDS": "0"}).warn_seconds_for(60) == 0
+
+
+# --- every problem at once ------------------------------------------------------------------
+
+
+def _file(tmp_path: Path, lines: dict[str, str], name: str = "credentials.env") -> Path:
+    path = tmp_path / name
+    path.write_text("".join(f"{k}={v}\n" for k, v in lines.items()))
+    path.chmod(0o600)
+    return path
+
+
+def test_a_bad_file_reports_every_problem_in_one_run(tmp_path: Path) -> None:
+    bad = {
+        **BASE,
+        "RODAN_HOST": "CHANGE_ME.rodan.example.org",
+        "HPC_SCHEDULAR": "gridengine",  # a typo
+        "HPC_MAX_ATTEMPTS": "5",  # retired
+        "HPC_DRAIN_BATCH": "many",
+        "HPC_RODAN_TIMEOUT": "-1",
+        "HPC_SLURM_CONTINUE": "resubmit",
+    }
+    del bad["RODAN_PASSWORD"]
+    with pytest.raises(ConfigError) as caught:
+        load_config(_file(tmp_path, bad), environ={})
+    problems = caught.value.problems
+    assert len(problems) == 7, problems
+    text = "\n".join(problems)
+    assert "RODAN_PASSWORD is not set" in text
+    assert "RODAN_HOST still holds the placeholder CHANGE_ME" in text
+    assert "HPC_SCHEDULAR in" in text and "did you mean HPC_SCHEDULER?" in text
+    assert "HPC_MAX_ATTEMPTS" in text and "HPC_DEFER_LIMIT" in text
+    assert "HPC_DRAIN_BATCH must be a whole number, got 'many'" in text
+    assert "HPC_RODAN_TIMEOUT must be positive" in text
+    assert "HPC_SLURM_CONTINUE must be one of requeue, successor" in text
+
+
+def test_unknown_names_in_the_environment_are_not_judged(tmp_path: Path) -> None:
+    """Jobs and tools set HPC_* variables of their own (HPC_JOB_ID, ...): only the file is judged."""
+    config = load_config(_file(tmp_path, BASE), environ={"HPC_JOB_ID": "12", "HPC_SCHEDULAR": "x"})
+    assert config.rodan_host == "rodan.example.org"
+
+
+def test_with_no_file_the_message_says_where_it_looked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as caught:
+        load_config(environ={"RODAN_HOST": "rodan.example.org"})
+    last = caught.value.problems[-1]
+    assert "no credentials file was read" in last
+    assert "$HPC_BRIDGE_CREDENTIALS (not set)" in last and str(tmp_path) in last
+
+
+def test_cli_prints_every_problem_and_takes_credentials_after_the_subcommand(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bridge.cli import main
+
+    for key in list(os.environ):
+        if key.startswith(("RABBITMQ_", "RODAN_", "HPC_")):
+            monkeypatch.delenv(key)
+    path = _file(tmp_path, {**BASE, "HPC_SCHEDULAR": "slurm", "HPC_POISON_LIMIT": "0"})
+    for argv in (["--credentials", str(path), "status"], ["status", "--credentials", str(path)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "2 configuration errors:" in err, err
+        assert "  - HPC_POISON_LIMIT must be at least 1, got 0" in err
+        assert "  - HPC_SCHEDULAR in" in err
+
+
+def test_a_log_file_that_cannot_be_created_is_a_configuration_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bridge.cli import main
+
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    path = _file(tmp_path, {**BASE, "HPC_LOG_FILE": str(blocker / "bridge.log")})
+    assert main(["--credentials", str(path), "check"]) == 2
+    assert "HPC_LOG_FILE" in capsys.readouterr().err and not (blocker / "bridge.log").exists()
+
+
+# --- site knobs -------------------------------------------------------------------------------
+
+
+def test_site_knobs_default_to_the_plain_behaviour() -> None:
+    config = load_config(environ=BASE)
+    assert config.job_prologue == "" and config.job_directives == ()
+    assert config.slurm_continue == "requeue" and config.max_active_jobs == 0
+    assert config.runs_shared == "private"
+    assert config.status_queue == "hpc-bridge.status" and config.status_interval_s == 60.0
+    assert load_config(environ={**BASE, "HPC_STATUS_QUEUE": "none"}).status_queue == ""
+
+
+def test_directives_are_one_option_per_entry_and_nothing_else(tmp_path: Path) -> None:
+    config = load_config(
+        _file(tmp_path, {**BASE, "HPC_JOB_DIRECTIVES": "'--constraint=v100;  --qos=high\n-l  h_vmem=4G'"}), environ={}
+    )
+    assert config.job_directives == ("--constraint=v100", "--qos=high", "-l h_vmem=4G")
+    for smuggled in ("--qos=high$(id)", "constraint=v100", "--comment='x'", "--x=`id`", "--a=b #c", "--a=b|c"):
+        with pytest.raises(ConfigError, match="HPC_JOB_DIRECTIVES"):
+            load_config(environ={**BASE, "HPC_JOB_DIRECTIVES": smuggled})
+
+
+def test_prologue_keeps_its_lines_but_never_a_password(tmp_path: Path) -> None:
+    prologue = "module load cuda/11.2\n  source /etc/site.sh\nexport HTTPS_PROXY=http://proxy:3128"
+    config = load_config(_file(tmp_path, {**BASE, "HPC_JOB_PROLOGUE": f"'{prologue}'"}), environ={})
+    assert config.job_prologue == prologue
+    with pytest.raises(ConfigError, match="HPC_JOB_PROLOGUE contains a password"):
+        load_config(environ={**BASE, "HPC_JOB_PROLOGUE": "export RODAN_PASSWORD=secret"})
+    with pytest.raises(ConfigError, match="HPC_JOB_DIRECTIVES contains a password"):
+        load_config(environ={**BASE, "HPC_JOB_DIRECTIVES": "--comment=p@ss/word"})
+
+
+def test_a_short_password_inside_another_word_is_not_a_leak() -> None:
+    from bridge.config import contains_secret
+
+    assert not contains_secret("#SBATCH --gres=gpu:1\nmodule load cuda\n#SBATCH -J rodan-test", ["gpu", "cud", "test"])
+    assert contains_secret("--password=gpu now", ["gpu"])
+    assert contains_secret("curl -u hpc:gpu https://x", ["gpu"])
+    assert contains_secret("export TOKEN='p@ss/word'", ["p@ss/word"])
+    assert contains_secret("rodan-averylongpassword1-x", ["averylongpassword1"])
+    config = load_config(environ={**BASE, "RODAN_PASSWORD": "gpu", "HPC_JOB_DIRECTIVES": "--constraint=gpu:2"})
+    assert config.job_directives == ("--constraint=gpu:2",)
+
+
+@pytest.mark.parametrize(
+    ("scheduler", "directive", "says"),
+    [("slurm", "--time=10", "HPC_JOB_DIRECTIVES entry '--time=10'"), ("gridengine", "-N other", "'-N other'")],
+)
+def test_a_directive_the_bridge_sets_itself_is_refused_at_start(scheduler: str, directive: str, says: str) -> None:
+    with pytest.raises(ConfigError, match=says):
+        load_config(environ={**BASE, "HPC_SCHEDULER": scheduler, "HPC_JOB_DIRECTIVES": f"--qos=high; {directive}"})
+    ok = load_config(environ={**BASE, "HPC_SCHEDULER": scheduler, "HPC_JOB_DIRECTIVES": "-l h_vmem=4G"})
+    assert ok.job_directives == ("-l h_vmem=4G",)

@@ -63,9 +63,11 @@ readonly OTHER_USER="${HPC_DEV_OTHER_USER:-hpcother}"
 
 # The Debian layout. SGE_ROOT/SGE_CELL are exported for the real binaries in /usr/lib/gridengine
 # (the /usr/bin wrappers find them on their own, at ~60 ms per call).
-export SGE_ROOT=/var/lib/gridengine
+# HPC_DEV_SGE_ROOT: only a test points it elsewhere (to see the refusal of a foreign cell).
+export SGE_ROOT="${HPC_DEV_SGE_ROOT:-/var/lib/gridengine}"
 export SGE_CELL=default
 readonly COMMON="$SGE_ROOT/$SGE_CELL/common"
+readonly OWN_MARKER=hpc-bridge-dev-cell  # in $COMMON: this script created the cell
 readonly SPOOL=/var/spool/gridengine
 readonly SPOOLDB="$SPOOL/spooldb"
 readonly BIN=/usr/lib/gridengine
@@ -477,11 +479,24 @@ check_knobs() {
   ((PROBE_S > 0)) || die "HPC_DEV_SGE_PROBE_S must be > 0"
 }
 
+# refuse_foreign_cell: this script builds a disposable one-node cluster. A cell that exists before
+# it ran and does not carry its marker file is someone else's (a real cluster): nothing is changed.
+refuse_foreign_cell() {
+  if [[ -e $COMMON/bootstrap && ! -e $COMMON/$OWN_MARKER ]]; then
+    die "refusing to touch the Grid Engine cell $SGE_ROOT/$SGE_CELL: deploy/dev/gridengine.sh did not" \
+      "create it (this looks like a real cluster). This script builds a disposable dev cluster only"
+  fi
+}
+
 cmd_up() {
   [[ $EUID -eq 0 ]] || die "must run as root"
   check_knobs
+  refuse_foreign_cell
   resolve_host
   install_packages
+  # Ours from here on (the packages' postinst may just have created the cell).
+  mkdir -p "$COMMON"
+  [[ -e $COMMON/$OWN_MARKER ]] || echo "written by deploy/dev/gridengine.sh: a disposable dev cell" >"$COMMON/$OWN_MARKER"
   ensure_cell
   configure_host_names
   if ((RESTART_NEEDED)); then
