@@ -20,7 +20,19 @@ class BridgeError(Exception):
 
 
 class ConfigError(BridgeError):
-    """A setting is missing or malformed. The message names the setting."""
+    """A setting is missing or malformed. The message names the setting.
+
+    ``problems`` lists every problem when there were several (one line each)."""
+
+    def __init__(self, message: str, problems: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.problems = problems or [message]
+
+    @classmethod
+    def listing(cls, problems: list[str]) -> ConfigError:
+        if len(problems) == 1:
+            return cls(problems[0])
+        return cls(f"{len(problems)} problems: " + "; ".join(problems), problems)
 
 
 class TransientError(BridgeError):
@@ -45,6 +57,12 @@ class SchedulerRejected(PermanentError):
 
 class SchedulerUnavailable(TransientError):
     """The scheduler did not answer (controller down, timeout)."""
+
+
+class SubmitLimitReached(SchedulerUnavailable):
+    """The scheduler took no job only because a submit limit is reached (Slurm's MaxSubmitJobs of a
+    QOS or association, Grid Engine's max_u_jobs / max_jobs): it takes the job once earlier ones end.
+    The request waits in the queue (``HPC_MAX_ACTIVE_JOBS`` below the limit avoids the refusals)."""
 
 
 class BrokerUnavailable(TransientError):

@@ -22,6 +22,11 @@ from bridge.shell import run_command
 from tests.conftest import fake_command, require_other_user
 
 GOLDEN = Path(__file__).parent / "golden" / "gridengine_job.sh"
+GOLDEN_SITE = Path(__file__).parent / "golden" / "gridengine_job_site.sh"
+#: HPC_JOB_PROLOGUE as a site writes it (environment modules, its own activation script, a proxy).
+SITE_PROLOGUE = (
+    "module load cuda/12.2 cudnn\nsource /opt/site/tensorflow-env.sh\nexport HTTPS_PROXY=http://proxy.example.org:3128"
+)
 
 
 def spec(**kw: object) -> JobSpec:
@@ -52,6 +57,14 @@ def test_rendered_script_matches_the_golden_file() -> None:
     if os.environ.get("UPDATE_GOLDEN"):
         GOLDEN.write_text(text)
     assert text == GOLDEN.read_text()
+
+
+def test_site_directives_and_prologue_match_the_golden_file() -> None:
+    """HPC_JOB_DIRECTIVES after the bridge's own directives, HPC_JOB_PROLOGUE just before the worker."""
+    text = GridEngineScheduler().render(spec(directives=("-l h_vmem=4G", "-A lab-ocr", "-R y"), prologue=SITE_PROLOGUE))
+    if os.environ.get("UPDATE_GOLDEN"):
+        GOLDEN_SITE.write_text(text)
+    assert text == GOLDEN_SITE.read_text()
 
 
 def test_registered_and_configured_from_site_options() -> None:

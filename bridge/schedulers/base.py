@@ -21,7 +21,7 @@ from pathlib import Path
 from string import Template
 from typing import Any
 
-from bridge.errors import SchedulerRejected, SchedulerUnavailable
+from bridge.errors import SchedulerRejected, SchedulerUnavailable, SubmitLimitReached
 from bridge.shell import CommandError, CommandResult, run_command
 from bridge.spool import atomic_write
 
@@ -100,10 +100,17 @@ class JobSpec:
     ``gpu:v100l:2``); backends without GPU types use its count (:func:`gpu_count`).
     ``account`` is Slurm's account or Grid Engine's project, ``partition`` Slurm's
     partition or Grid Engine's queue. With ``warn_seconds`` the job is signalled that
-    long before its time limit and may continue itself (Slurm: requeue; Grid Engine: a
-    successor held on it). ``hold_after`` starts the job only after that job has ended,
-    whatever its outcome. ``environment`` is exported to the job (like ``qsub -v``);
+    long before its time limit and may continue itself: ``continue_by`` ``"requeue"`` (Slurm:
+    the same job id runs again) or ``"successor"`` (a new job held on it; the only way on Grid
+    Engine, for which the value does not matter). ``hold_after`` starts the job only after
+    that job has ended, whatever its outcome. ``environment`` is exported to the job (like ``qsub -v``);
     its values are shell-quoted, never secrets.
+
+    The site's own additions (``HPC_JOB_DIRECTIVES``, ``HPC_JOB_PROLOGUE``): ``directives`` are
+    written as extra directive lines after the bridge's own (each one option and its value, e.g.
+    ``--qos=high`` or ``-l h_vmem=4G``; never one the bridge sets itself, see
+    :meth:`Scheduler.reserved_option`), and ``prologue`` is shell lines run in the job just before
+    the command (``module load``, ``source``, proxies); a failing line ends the job there.
     """
 
     name: str
@@ -119,9 +126,12 @@ class JobSpec:
     account: str = ""
     partition: str = ""
     warn_seconds: int = 0
+    continue_by: str = "requeue"  # one of CONTINUE_BY
     hold_after: str = ""
     environment: Mapping[str, str] = field(default_factory=dict)
     extra_args: Sequence[str] = field(default_factory=tuple)
+    directives: Sequence[str] = field(default_factory=tuple)
+    prologue: str = ""
 
     @property
     def gpus(self) -> int:
@@ -136,6 +146,7 @@ class JobSpec:
             workdir=str(self.workdir),
             environment=dict(self.environment),
             extra_args=list(self.extra_args),
+            directives=list(self.directives),
         )
         return data
 
@@ -149,6 +160,7 @@ class JobSpec:
             workdir=Path(values["workdir"]),
             environment=dict(values.get("environment") or {}),
             extra_args=tuple(values.get("extra_args") or ()),
+            directives=tuple(values.get("directives") or ()),
         )
         return cls(**values)
 
@@ -163,11 +175,59 @@ _DIRECTIVE_VALUE = re.compile(r"[A-Za-z0-9@%+=:,./_-]+")
 _SECRET_ENV_PREFIXES = ("RABBITMQ_", "RODAN_", "HPC_BRIDGE_CREDENTIALS")
 
 
+#: How a job warned before its time limit continues (``JobSpec.continue_by``).
+CONTINUE_BY = ("requeue", "successor")
+
+
 def directive_value(name: str, value: object) -> str:
     text = str(value)
     if not _DIRECTIVE_VALUE.fullmatch(text):
         raise ValueError(f"refusing unsafe value for {name}: {text!r}")
     return text
+
+
+# What a site directive (HPC_JOB_DIRECTIVES entry) may not hold: control characters (a newline would
+# start a new script line), a comment sign, quotes, a backslash or anything a shell reads specially.
+_SITE_DIRECTIVE_UNSAFE = re.compile(r"[\x00-\x1f\x7f#'\"\\$`;&|<>()]")
+
+
+def site_directive(text: str) -> str:
+    """One ``HPC_JOB_DIRECTIVES`` entry, checked: an option (``-...``), single spaces, nothing unsafe."""
+    if not text.startswith("-") or text.strip("-") == "" or text != " ".join(text.split()):
+        raise ValueError(f"refusing unsafe value for HPC_JOB_DIRECTIVES entry: {text!r} (one option, e.g. --qos=high)")
+    if _SITE_DIRECTIVE_UNSAFE.search(text):
+        raise ValueError(f"refusing unsafe value for HPC_JOB_DIRECTIVES entry: {text!r}")
+    return text
+
+
+def render_prologue(spec: JobSpec, directive_prefix: str) -> str:
+    """``spec.prologue`` as the block that runs just before the command ("" without one).
+
+    It runs under ``set -eo pipefail`` (not ``-u``: environment-module and conda scripts read unset
+    variables), so a failing line ends the job there, with a line in the job's log saying so; then
+    ``set -u`` again and back to the working directory. A line that the scheduler would read as a
+    directive (``#SBATCH``, ``#$``; Grid Engine reads them anywhere in the script) is refused.
+    """
+    text = spec.prologue.strip("\n")
+    if not text.strip():
+        return ""
+    if "\0" in text:
+        raise ValueError("refusing unsafe value for HPC_JOB_PROLOGUE: it holds a NUL character")
+    for line in text.splitlines():
+        if line.lstrip().startswith(directive_prefix):
+            raise ValueError(
+                f"refusing unsafe value for HPC_JOB_PROLOGUE: the line {line.strip()!r} would be read as a "
+                "scheduler directive; put directives in HPC_JOB_DIRECTIVES"
+            )
+    return (
+        "# The site's set-up (HPC_JOB_PROLOGUE): a failing line ends the job here.\n"
+        "set +u\n"
+        "trap 'echo \"hpc-bridge: HPC_JOB_PROLOGUE failed (exit $?, line $LINENO of this script)\" >&2' ERR\n"
+        f"{text}\n"
+        "trap - ERR\n"
+        "set -u\n"
+        f"cd {shlex.quote(str(spec.workdir))}\n"
+    )
 
 
 def gpu_count(gres: str | None) -> int:
@@ -249,6 +309,9 @@ class Scheduler(ABC):
     log_name_id: str
     #: Words in the submit command's output that no retry can fix: the request is refused for good.
     permanent_submit_errors: tuple[str, ...] = ()
+    #: Words in the submit command's output that say a submit limit (jobs per user, account or cluster)
+    #: is reached: the job is taken once earlier ones have ended. Checked before the permanent ones.
+    submit_limit_errors: tuple[str, ...] = ()
 
     def __init__(self, *, timeout_s: float = 60.0, user: str | None = None) -> None:
         self.timeout_s = timeout_s
@@ -271,14 +334,42 @@ class Scheduler(ABC):
     def directives(self, spec: JobSpec) -> list[str]:
         """The resource requests as directive arguments (without the prefix)."""
 
+    def reserved_option(self, directive: str) -> str:
+        """Why the site directive ``directive`` may not be used ("" when it may): it sets an option
+        the bridge sets itself (job name, log file, time, memory, continuation...)."""
+        return ""
+
+    def directive_problems(self, directives: Sequence[str]) -> list[str]:
+        """Why each unusable ``HPC_JOB_DIRECTIVES`` entry cannot be used (none: []), for a check at start."""
+        problems = []
+        for text in directives:
+            try:
+                why = self.reserved_option(site_directive(text))
+            except ValueError as exc:
+                why = str(exc)
+            if why:
+                problems.append(f"HPC_JOB_DIRECTIVES entry {text!r}: {why}")
+        return problems
+
+    def site_directives(self, spec: JobSpec) -> list[str]:
+        """``spec.directives`` checked: safe text, and none that overrides one of the bridge's own."""
+        checked = []
+        for text in spec.directives:
+            why = self.reserved_option(site_directive(text))
+            if why:
+                raise ValueError(f"refusing HPC_JOB_DIRECTIVES entry {text!r}: {why}")
+            checked.append(text)
+        return checked
+
     def render(self, spec: JobSpec) -> str:
-        lines = [f"{self.directive_prefix} {d}" for d in self.directives(spec)]
+        lines = [f"{self.directive_prefix} {d}" for d in [*self.directives(spec), *self.site_directives(spec)]]
         return self.template().substitute(
             directives="\n".join(lines),
             environment=render_environment(spec, self.name),
             command=shlex.join(spec.command),
             workdir=shlex.quote(str(spec.workdir)),
             job_name=directive_value("job name", spec.name),
+            prologue=render_prologue(spec, self.directive_prefix),
         )
 
     def log_path(self, spec: JobSpec) -> str:
@@ -311,14 +402,24 @@ class Scheduler(ABC):
     def continue_job(self, job_id: str, script: Path, spec: JobSpec) -> str:
         """Run the job ``spec`` (rendered as ``script``) again once job ``job_id`` has ended.
 
-        Returns the id to watch from now on. The default renders a successor held on
-        ``job_id`` beside ``script`` and submits it (Grid Engine ``-hold_jid``); Slurm
-        requeues the same job instead. Called from inside the running job, last of all.
+        Returns the id to watch from now on. The default submits a successor held on
+        ``job_id`` (:meth:`write_successor`; Grid Engine ``-hold_jid``); Slurm requeues the
+        same job instead unless ``spec.continue_by`` is ``"successor"``. Called from inside
+        the running job, last of all.
         """
+        path, successor = self.write_successor(job_id, script, spec)
+        return self.submit(path, successor)
+
+    def continues_by(self, spec: JobSpec) -> str:
+        """How :meth:`continue_job` continues the job ``spec``: one of CONTINUE_BY."""
+        return "successor"
+
+    def write_successor(self, job_id: str, script: Path, spec: JobSpec) -> tuple[Path, JobSpec]:
+        """The job ``spec`` held on job ``job_id``, rendered beside ``script`` (``job-after-ID.sh``)."""
         successor = replace(spec, hold_after=job_id)
         path = script.with_name(f"{script.stem}-after-{directive_value('job id', job_id)}{script.suffix}")
         atomic_write(path, self.render(successor).encode("utf-8"), mode=0o700)
-        return self.submit(path, successor)
+        return path, successor
 
     def ping(self) -> str:
         """A one-line description of the cluster; raises SchedulerUnavailable."""
@@ -334,20 +435,24 @@ class Scheduler(ABC):
         return " ".join(line.strip() for line in message.splitlines() if line.strip())[:500]
 
     # --- the one way to run a scheduler command ------------------------------
-    def _submit_command(self, argv: Sequence[str]) -> CommandResult:
+    def _submit_command(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None) -> CommandResult:
         """Run the submit command: a refusal no retry can fix raises SchedulerRejected, any other
         failure (controller down, timeout) SchedulerUnavailable."""
         try:
-            return self._run(argv)
+            return self._run(argv, env=env)
         except CommandError as exc:
             message = exc.output
+            if any(p.lower() in message.lower() for p in self.submit_limit_errors):
+                raise SubmitLimitReached(f"{argv[0]}: submit limit reached: {self.clean(message)}") from exc
             if any(p.lower() in message.lower() for p in self.permanent_submit_errors):
                 raise SchedulerRejected(self.clean(message)) from exc
             raise SchedulerUnavailable(f"{argv[0]} failed: {self.clean(message)}") from exc
 
-    def _run(self, argv: Sequence[str], *, check: bool = True) -> CommandResult:
+    def _run(self, argv: Sequence[str], *, check: bool = True, env: Mapping[str, str] | None = None) -> CommandResult:
+        """``argv`` with ``env`` (default: this process's, without credentials: :func:`scrubbed_environment`)."""
         try:
-            return run_command(argv, timeout=self.timeout_s, env=scrubbed_environment(), check=check)
+            environ = scrubbed_environment() if env is None else env
+            return run_command(argv, timeout=self.timeout_s, env=environ, check=check)
         except CommandError as exc:
             if check and exc.result.returncode > 0:
                 raise

@@ -56,6 +56,34 @@ PERMANENT_SUBMIT_ERRORS = (
     "unknown option",
 )
 
+# qsub's refusals when max_u_jobs / max_jobs (qconf -sconf) is reached: "job rejected: Only 2 jobs are
+# allowed per user (current job count: 2)", "... allowed per cluster". Checked before "job rejected".
+SUBMIT_LIMIT_ERRORS = ("jobs are allowed per user", "jobs are allowed per cluster")
+
+# Options the bridge sets itself, or that a setting of its own controls (option -> why a site directive
+# may not set it). qsub takes no abbreviations.
+RESERVED_OPTIONS: dict[str, str] = {
+    "-N": "the bridge names each job after its request (and finds it by name)",
+    **dict.fromkeys(("-o", "-e", "-j"), "the job's log goes to its spool directory, where the bridge reads it"),
+    **dict.fromkeys(("-wd", "-cwd"), "the job runs in its spool directory"),
+    "-S": "the job's script is a bash script",
+    **dict.fromkeys(
+        ("-r", "-notify", "-hold_jid", "-hold_jid_ad"), "the bridge continues jobs itself (HPC_WARN_SECONDS)"
+    ),
+    "-w": "the bridge has impossible requests refused at submit (-w e)",
+    "-pe": "CPUs use HPC_SGE_PE",
+    "-P": "set HPC_SGE_PROJECT instead",
+    "-q": "set HPC_SGE_QUEUE instead",
+    **dict.fromkeys(("-M", "-m"), "mail goes to the request's notification address"),
+    **dict.fromkeys(("-t", "-tc"), "the bridge submits one job per request"),
+    "-h": "a held job would never start",
+    "-b": "the job's script is the bridge's",
+    **dict.fromkeys(("-sync", "-terse"), "qsub must return the new job's id at once"),
+    "-now": "a job that cannot start at once would be refused instead of waiting",
+    **dict.fromkeys(("-clear", "-C", "-@"), "it would change how the bridge's own directives are read"),
+}
+
+
 # A Grid Engine object name: no leading digit, none of / : @ * or space, ASCII; no comma either
 # (it would split a -hold_jid list) and nothing a shell or qacct's pattern matching reads specially.
 _GE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.=%+-]*$")
@@ -143,6 +171,7 @@ class GridEngineScheduler(Scheduler):
     log_name = "job-$JOB_ID.out"  # Grid Engine expands $JOB_ID in -o paths itself
     log_name_id = "$JOB_ID"
     permanent_submit_errors = PERMANENT_SUBMIT_ERRORS
+    submit_limit_errors = SUBMIT_LIMIT_ERRORS
 
     def __init__(
         self,
@@ -196,6 +225,27 @@ class GridEngineScheduler(Scheduler):
         if spec.hold_after:
             d.append(f"-hold_jid {_job_id('hold job id', spec.hold_after)}")
         return d
+
+    def reserved_option(self, directive: str) -> str:
+        """``-l h_vmem=4G``, ``-p -5``, ``-A lab``: fine; ``-N x``, ``-l h_rt=1:00:00``, ``-pe mpi 4``: the
+        bridge's own (see :data:`RESERVED_OPTIONS`; for ``-l``, the time, memory and GPU resources).
+        Every word of the line is looked at: qsub reads them all."""
+        own = {"h_rt": "the time limit is the request's 'Maximum time (D-HH:MM)'"}
+        own["s_rt"] = own["h_rt"]
+        own[self.memory_resource] = "the memory is the request's 'Maximum memory (MB)' (HPC_SGE_MEMORY_RESOURCE)"
+        if self.memory_resource == "mem_free":
+            own["mf"] = own["mem_free"]  # its shortcut
+        own[self.gpu_resource] = "GPUs are requested by HPC_GPU_RULES (HPC_SGE_GPU_RESOURCE)"
+        words = directive.split()
+        for i, word in enumerate(words):
+            if word in RESERVED_OPTIONS:
+                return f"{word} is set by the bridge: {RESERVED_OPTIONS[word]}"
+            if word == "-l" and i + 1 < len(words):
+                for request in words[i + 1].split(","):
+                    name = request.split("=", 1)[0]
+                    if name in own:
+                        return f"-l {name} is set by the bridge: {own[name]}"
+        return ""
 
     def clean(self, message: str) -> str:
         return super().clean("\n".join(line for line in message.splitlines() if line.strip() != "Exiting."))

@@ -13,6 +13,7 @@ from typing import Any
 from bridge.errors import SchedulerUnavailable
 from bridge.protocol import format_duration
 from bridge.schedulers.base import (
+    CONTINUE_BY,
     JobInfo,
     JobSpec,
     JobState,
@@ -20,6 +21,7 @@ from bridge.schedulers.base import (
     directive_value,
     one_line,
     plain_job_id,
+    scrubbed_environment,
 )
 
 # Slurm's state names (squeue %T and sacct State) -> JobState.
@@ -68,6 +70,76 @@ PERMANENT_SUBMIT_ERRORS = (
 )
 
 
+#: sbatch's input variables named SLURM_* (``man sbatch``): kept when a job submits its successor.
+SBATCH_INPUT_VARIABLES = frozenset(
+    {"SLURM_CLUSTERS", "SLURM_CONF", "SLURM_DEBUG_FLAGS", "SLURM_EXIT_ERROR", "SLURM_HINT", "SLURM_UMASK"}
+)
+
+
+def successor_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` without the ``SLURM_*`` variables that describe the job it is read in.
+
+    sbatch exports the submitting environment to the new job, where Slurm sets its own variables
+    again, but not those a plugin sets for some jobs only (``SLURM_TMPDIR``) or that the new job
+    has no reason to have (``SLURM_RESTART_COUNT``). sbatch's own input variables (``SLURM_CONF``:
+    a configless node's configuration) stay.
+    """
+    return {k: v for k, v in environ.items() if not k.startswith("SLURM_") or k in SBATCH_INPUT_VARIABLES}
+
+
+# sbatch's refusal when a submit limit is reached names the limit on the line before "Batch job submission
+# failed: Job violates accounting/QOS policy (job submit limit, ...)": QOSMaxSubmitJobPerUserLimit,
+# QOSMaxSubmitJobPerAccountLimit, AssocMaxSubmitJobLimit, AssocGrpSubmitJobsLimit, QOSGrpSubmitJobsLimit.
+# The same policy line without such a name is a size or time limit: permanent.
+SUBMIT_LIMIT_ERRORS = ("MaxSubmitJob", "GrpSubmitJob")
+
+# Options the bridge sets itself, or that a setting of its own controls (long name -> why a site
+# directive may not set it). sbatch also takes any unambiguous abbreviation of a long option.
+RESERVED_OPTIONS: dict[str, str] = {
+    **dict.fromkeys(("job-name", "comment"), "the bridge names each job after its request (and finds it by name)"),
+    **dict.fromkeys(
+        ("output", "error", "open-mode"), "the job's log goes to its spool directory, where the bridge reads it"
+    ),
+    **dict.fromkeys(
+        ("requeue", "no-requeue", "signal", "dependency"),
+        "the bridge continues jobs itself (HPC_WARN_SECONDS, HPC_SLURM_CONTINUE)",
+    ),
+    "time": "the time limit is the request's 'Maximum time (D-HH:MM)'",
+    **dict.fromkeys(("mem", "mem-per-cpu", "mem-per-gpu"), "the memory is the request's 'Maximum memory (MB)'"),
+    **dict.fromkeys(("cpus-per-task", "ntasks", "nodes"), "a job is one task on one node with the request's 'CPUs'"),
+    **dict.fromkeys(("gres", "gpus"), "GPUs are requested by HPC_GPU_RULES"),
+    "account": "set HPC_SLURM_ACCOUNT instead",
+    "partition": "set HPC_SLURM_PARTITION instead",
+    **dict.fromkeys(("mail-user", "mail-type"), "mail goes to the request's notification address"),
+    "chdir": "the job runs in its spool directory",
+    "array": "the bridge submits one job per request",
+    "hold": "a held job would never start",
+    "wrap": "the job's script is the bridge's",
+    **dict.fromkeys(("wait", "test-only"), "sbatch must return the new job's id at once"),
+    **dict.fromkeys(("clusters", "cluster"), "every command needs the cluster: set HPC_SCHEDULER_ARGS=-M NAME"),
+}
+SHORT_OPTIONS = {
+    "J": "job-name",
+    "o": "output",
+    "e": "error",
+    "d": "dependency",
+    "t": "time",
+    "c": "cpus-per-task",
+    "n": "ntasks",
+    "N": "nodes",
+    "G": "gpus",
+    "A": "account",
+    "p": "partition",
+    "D": "chdir",
+    "a": "array",
+    "H": "hold",
+    "W": "wait",
+    "M": "clusters",
+}
+# sbatch's one-letter options that take no value (so more letters may follow in the same word).
+SHORT_FLAGS = frozenset("hHkOQsuvVW")
+
+
 def translate(native: str) -> JobState:
     """``CANCELLED by 0`` -> CANCELLED; unknown words are not guessed at."""
     word = native.split()[0].rstrip("+") if native.strip() else ""
@@ -113,6 +185,7 @@ class SlurmScheduler(Scheduler):
     log_name = "job-%j.out"
     log_name_id = "%j"
     permanent_submit_errors = PERMANENT_SUBMIT_ERRORS
+    submit_limit_errors = SUBMIT_LIMIT_ERRORS
 
     def __init__(self, *, timeout_s: float = 60.0, user: str | None = None, cluster_args: Sequence[str] = ()) -> None:
         super().__init__(timeout_s=timeout_s, user=user)
@@ -134,8 +207,11 @@ class SlurmScheduler(Scheduler):
             f"--output={self.log_path(spec)}",
             "--open-mode=append",  # a requeued job appends to the same file
         ]
-        if spec.warn_seconds:
-            d += ["--requeue", f"--signal=B:USR1@{int(spec.warn_seconds)}"]
+        if spec.continue_by not in CONTINUE_BY:
+            raise ValueError(f"refusing unsafe value for continue_by: {spec.continue_by!r}")
+        if spec.warn_seconds:  # a successor needs no --requeue (sites that forbid it)
+            d += ["--requeue"] if spec.continue_by == "requeue" else []
+            d.append(f"--signal=B:USR1@{int(spec.warn_seconds)}")
         if spec.hold_after:
             d.append(f"--dependency=afterany:{directive_value('job id', spec.hold_after)}")
         if spec.gres:
@@ -148,8 +224,27 @@ class SlurmScheduler(Scheduler):
             d += [f"--mail-user={directive_value('e-mail', spec.email)}", "--mail-type=END,FAIL"]
         return d
 
-    def submit(self, script: Path, spec: JobSpec) -> str:
-        result = self._submit_command(["sbatch", "--parsable", *spec.extra_args, str(script)])
+    def reserved_option(self, directive: str) -> str:
+        """``--qos=high``, ``--constraint v100``, ``-C v100``: fine; ``--time=...``, ``-t 5``, ``--out=x``
+        (an abbreviation of --output), ``-kH`` (flags run together): the bridge's own (see
+        :data:`RESERVED_OPTIONS`). Every word of the line is looked at: sbatch reads them all."""
+        for word in directive.split():
+            if word.startswith("--"):
+                name = word[2:].split("=", 1)[0]
+                for reserved, why in RESERVED_OPTIONS.items():
+                    if reserved.startswith(name):
+                        return f"--{reserved} is set by the bridge: {why}"
+            elif word.startswith("-"):
+                for letter in word[1:]:
+                    long_name = SHORT_OPTIONS.get(letter, "")
+                    if long_name:
+                        return f"-{letter} (--{long_name}) is set by the bridge: {RESERVED_OPTIONS[long_name]}"
+                    if letter not in SHORT_FLAGS:
+                        break  # the rest of the word is this option's value
+        return ""
+
+    def submit(self, script: Path, spec: JobSpec, *, env: Mapping[str, str] | None = None) -> str:
+        result = self._submit_command(["sbatch", "--parsable", *spec.extra_args, str(script)], env=env)
         job_id = plain_job_id(result.stdout.strip().split(";")[0])  # with -M: "ID;CLUSTER"
         if not job_id:
             raise SchedulerUnavailable(f"sbatch printed no job id: {result.stdout[:200]!r}")
@@ -231,13 +326,23 @@ class SlurmScheduler(Scheduler):
 
     def continue_job(self, job_id: str, script: Path, spec: JobSpec) -> str:
         """``scontrol requeue``: the same job id runs again (``SLURM_RESTART_COUNT`` counts).
-
         Called from inside the job, this ends the calling job's current run.
+
+        With ``spec.continue_by == "successor"`` (sites that strip ``--requeue`` or forbid
+        ``scontrol requeue``): a new job held on this one (``--dependency=afterany:ID``), submitted
+        without this job's own ``SLURM_*`` variables (:func:`successor_environment`), so that it
+        starts as the first job did; this job then ends by itself.
         """
+        if spec.continue_by == "successor":
+            path, successor = self.write_successor(job_id, script, spec)
+            return self.submit(path, successor, env=successor_environment(scrubbed_environment()))
         result = self._run(self._command("scontrol", "requeue", job_id, mine=False), check=False)
         if result.returncode != 0:
             raise SchedulerUnavailable(f"scontrol requeue {job_id} failed: {self.clean(result.stderr)}")
         return job_id
+
+    def continues_by(self, spec: JobSpec) -> str:
+        return spec.continue_by
 
     def cancel(self, job_id: str) -> None:
         """scancel, only for a job of ours that has not ended: root's scancel would cancel anyone's.

@@ -17,4 +17,4 @@ export TMPDIR="$${TMPDIR:-$${TMP:-/tmp}}"
 trap '' USR1 USR2
 cd $workdir
 echo "hpc-bridge job $job_name: $$(date -u +%FT%TZ) on $$(hostname) (job $${JOB_ID:-?}, restart $${RESTARTED:-0})"
-exec $command
+${prologue}exec $command

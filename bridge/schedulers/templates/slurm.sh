@@ -11,4 +11,4 @@ export HPC_JOB_ID="$${SLURM_JOB_ID:-}" HPC_JOB_STARTED="$$(date +%s)"
 trap '' USR1
 cd $workdir
 echo "hpc-bridge job $job_name: $$(date -u +%FT%TZ) on $$(hostname) (job $${SLURM_JOB_ID:-?}, restart $${SLURM_RESTART_COUNT:-0})"
-exec $command
+${prologue}exec $command
