@@ -1,7 +1,8 @@
 """The record a training job leaves when it continues itself in a new job.
 
 A job warned before its time limit checkpoints and continues: Slurm requeues the same
-job id, Grid Engine runs a successor held on it. Just before asking the scheduler, the
+job id, Grid Engine (and Slurm with ``HPC_SLURM_CONTINUE=successor``) runs a successor
+held on it. Just before asking the scheduler, the
 job writes ``jobs/KEY/continuation.json`` (and rewrites it with the successor's id once
 it has one), so that reconciliation knows the request is still alive, in which job,
 and how many times it continued. A successor that was submitted but never recorded
@@ -23,7 +24,7 @@ FILE_NAME = "continuation.json"
 class Continuation:
     count: int  # continuations so far (1 = the second job of the request is next)
     previous_job_id: str  # the job that stopped
-    job_id: str = ""  # the job that continues (Slurm: the same id; empty until the scheduler answered)
+    job_id: str = ""  # the job that continues (a requeue: the same id; empty until the scheduler answered)
     stopped_at: str = ""  # where training stopped, for people ("layer 'Layer 1' epoch 3 batch 12 of 40")
     at: float = field(default_factory=time.time)
 

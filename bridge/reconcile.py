@@ -8,9 +8,9 @@ judged after ``missing_timeout_s``. "Missing" is never read as done.
 
 A training job that continued itself past its time limit is still the same
 request: a Slurm requeue keeps the job id (REQUEUED/PENDING are not outcomes),
-and a Grid Engine successor is followed through the job's continuation record
-(``bridge/continuation.py``) or, if that was never written, by the job name.
-Only the last job of the chain can end the request.
+and a successor (Grid Engine; Slurm with ``HPC_SLURM_CONTINUE=successor``) is followed
+through the job's continuation record (``bridge/continuation.py``) or, if that was never
+written, by the job name. Only the last job of the chain can end the request.
 """
 
 from __future__ import annotations

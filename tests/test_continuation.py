@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
+import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,8 +22,9 @@ import bridge.schedulers as schedulers
 import worker.continuation as continuation
 from bridge.continuation import read_continuation
 from bridge.errors import SchedulerUnavailable
-from bridge.schedulers import JobInfo, JobSpec, Scheduler
+from bridge.schedulers import JobInfo, JobSpec, Scheduler, SlurmScheduler
 from bridge.spool import Spool, atomic_write_json, read_json
+from tests.conftest import fake_command, wait_until
 from worker.continuation import ContinuationPlan, TimeLimitWarning, continue_job
 from worker.job import forget_token
 
@@ -268,3 +271,159 @@ def test_the_bridges_rodan_timeout_and_retries_reach_the_worker(tmp_path: Path) 
     assert (given.rodan_timeout_s, given.rodan_retries) == (7.5, 1)
     older = JobParameters.from_json(base)
     assert (older.rodan_timeout_s, older.rodan_retries) == (30.0, 4)
+
+
+# --- Slurm: requeue, or a successor for sites that forbid requeue (HPC_SLURM_CONTINUE) -----------
+
+
+def slurm_spec(workdir: Path, **kw: Any) -> JobSpec:
+    values: dict[str, Any] = dict(
+        name=f"rodan-hpcbt-{uuid.uuid4().hex[:12]}",
+        comment="continuation-test",
+        time_minutes=5,
+        memory_mb=200,
+        cpus=1,
+        command=(sys.executable, "-c", "pass"),
+        log_dir=workdir,
+        workdir=workdir,
+        warn_seconds=30,
+    )
+    values.update(kw)
+    return JobSpec(**values)
+
+
+@pytest.mark.parametrize("mode", ["requeue", "successor"])
+def test_slurm_continues_by_requeue_or_by_a_held_successor_without_requeue(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    calls = tmp_path / "calls.txt"
+    fake_command(
+        tmp_path, monkeypatch, "sbatch", f'echo "sbatch $*" >> "{calls}"\nenv > "{tmp_path}/env.txt"\necho 4242\n'
+    )
+    fake_command(tmp_path, monkeypatch, "scontrol", f'echo "scontrol $*" >> "{calls}"\n')
+    # What a running job's environment holds: its own variables, and sbatch's input (configless node).
+    monkeypatch.setenv("SLURM_JOB_ID", "4100")
+    monkeypatch.setenv("SLURM_TMPDIR", "/localscratch/hpcbt.4100.0")
+    monkeypatch.setenv("SLURM_CONF", "/run/slurm/conf/slurm.conf")
+    scheduler = SlurmScheduler(timeout_s=10)
+    job = slurm_spec(tmp_path, continue_by=mode)
+    script = tmp_path / "job.sh"
+    script.write_text(scheduler.render(job))
+    first = script.read_text()
+    assert ("#SBATCH --requeue\n" in first) is (mode == "requeue") and "#SBATCH --signal=B:USR1@30\n" in first
+    assert scheduler.continues_by(job) == mode
+    next_id = scheduler.continue_job("4100", script, job)
+    lines = calls.read_text().splitlines()
+    successor = tmp_path / "job-after-4100.sh"
+    if mode == "requeue":
+        assert (next_id, lines, successor.exists()) == ("4100", ["scontrol requeue 4100"], False)
+        return
+    assert next_id == "4242" and lines == [f"sbatch --parsable {successor}"]  # scontrol: never
+    text = successor.read_text()
+    assert "#SBATCH --dependency=afterany:4100\n" in text and "--requeue" not in text
+    assert text.replace("#SBATCH --dependency=afterany:4100\n", "") == first  # otherwise the same job
+    env = dict(line.split("=", 1) for line in (tmp_path / "env.txt").read_text().splitlines() if "=" in line)
+    assert "SLURM_JOB_ID" not in env and "SLURM_TMPDIR" not in env  # the successor sets its own
+    assert env["SLURM_CONF"] == "/run/slurm/conf/slurm.conf"
+
+
+def test_an_unknown_way_to_continue_never_reaches_a_script(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unsafe value for continue_by"):
+        SlurmScheduler().render(slurm_spec(tmp_path, continue_by="restart"))
+    assert "--requeue" not in SlurmScheduler().render(slurm_spec(tmp_path, continue_by="successor", warn_seconds=0))
+
+
+def test_the_way_to_continue_travels_in_the_parameter_file(tmp_path: Path) -> None:
+    raw = parameters(tmp_path)
+    raw["job"]["spec"] = slurm_spec(tmp_path, continue_by="successor").to_json()
+    plan = ContinuationPlan.from_parameters(json.loads(json.dumps(raw)))
+    assert plan is not None and plan.spec.continue_by == "successor"
+    # a parameter file written before the setting existed: the job goes on as it was submitted
+    older = {k: v for k, v in raw["job"]["spec"].items() if k != "continue_by"}
+    assert JobSpec.from_json(older).continue_by == "requeue"
+
+
+class TimingOutScheduler(RecordingScheduler):
+    """Submits the successor, then fails the way sbatch does when slurmctld answers too late."""
+
+    name = "timingout"
+
+    def continue_job(self, job_id: str, script: Path, spec: JobSpec) -> str:
+        RecordingScheduler.submitted.append((script, spec))
+        raise SchedulerUnavailable("sbatch: timed out after 60 s")
+
+    def find_by_name(self, name: str) -> list[str]:
+        return ["4000", "4100", *(["4242"] if RecordingScheduler.submitted else [])]  # 4000: an older one
+
+
+def test_a_successor_submitted_despite_an_error_is_taken_not_submitted_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(schedulers.BACKENDS, "timingout", TimingOutScheduler)
+    monkeypatch.setattr("worker.continuation.CONTINUE_RETRY_S", 0.01)
+    monkeypatch.setenv("HPC_JOB_ID", "4100")
+    RecordingScheduler.submitted.clear()
+    spool = Spool(tmp_path / "spool").ensure()
+    spool.job_dir("c1").mkdir(parents=True)
+    params_path = spool.params_path("c1")
+    raw = forget_token(params_path, parameters(spool.root), keep_file=True)
+    raw["job"]["scheduler"] = "timingout"
+    plan = ContinuationPlan.from_parameters(raw)
+    assert plan is not None
+    successor = continue_job(
+        plan, params_path=params_path, raw_params=raw, spool=spool, key="c1", run_dir=tmp_path, stopped_at="here"
+    )
+    assert successor == "4242" and len(RecordingScheduler.submitted) == 1  # one successor, not three
+    record = read_continuation(spool, "c1")
+    assert record is not None and (record.previous_job_id, record.job_id) == ("4100", "4242")
+
+
+#: Run inside the real Slurm job: record the environment; the first job continues in a successor.
+IN_JOB = """
+import json, os, pathlib, sys, time
+from bridge.schedulers import JobSpec, SlurmScheduler
+here = pathlib.Path(sys.argv[1])
+job_id = os.environ["SLURM_JOB_ID"]
+(here / f"env-{job_id}.json").write_text(json.dumps(dict(os.environ)))
+if not (here / "successor.txt").exists():
+    spec = JobSpec.from_json(json.loads((here / "spec.json").read_text()))
+    os.environ["SLURM_TMPDIR"] = "/nonexistent/from-the-first-job"  # as a site's plugin sets it
+    (here / "successor.txt").write_text(SlurmScheduler(timeout_s=30).continue_job(job_id, here / "job.sh", spec))
+    time.sleep(3)
+(here / f"end-{job_id}.txt").write_text(repr(time.time()))
+"""
+
+
+@pytest.mark.slurm
+def test_a_real_slurm_job_submits_its_successor_held_on_itself(slurm: None, tmp_path: Path) -> None:
+    (tmp_path / "in_job.py").write_text(IN_JOB)
+    job = slurm_spec(
+        tmp_path, continue_by="successor", command=(sys.executable, str(tmp_path / "in_job.py"), str(tmp_path))
+    )
+    (tmp_path / "spec.json").write_text(json.dumps(job.to_json()))
+    scheduler = SlurmScheduler(timeout_s=30)
+    (tmp_path / "job.sh").write_text(scheduler.render(job))
+    first = scheduler.submit(tmp_path / "job.sh", job)
+    try:
+        second = wait_until(
+            lambda: (tmp_path / f"end-{first}.txt").exists() and (tmp_path / "successor.txt").read_text(),
+            300,
+            what="the first job",
+        )
+        assert second != first and second.isdigit()
+        wait_until(lambda: (tmp_path / f"end-{second}.txt").exists(), 300, what="the successor")
+    finally:
+        recorded = tmp_path / "successor.txt"
+        for job_id in (first, recorded.read_text() if recorded.exists() else ""):
+            if job_id:
+                scheduler.cancel(job_id)  # only a job still queued or running: a failed test's
+    assert "--requeue" not in (tmp_path / "job.sh").read_text()
+    assert f"#SBATCH --dependency=afterany:{first}\n" in (tmp_path / f"job-after-{first}.sh").read_text()
+    started = json.loads((tmp_path / f"env-{second}.json").read_text())
+    assert started["SLURM_JOB_ID"] == started["HPC_JOB_ID"] == second
+    assert "SLURM_TMPDIR" not in started and "SLURM_RESTART_COUNT" not in started
+    assert started["SLURM_JOB_NAME"] == job.name  # the same name: reconciliation finds it by name too
+    # held on the first: it started only once the first had ended (after its 3 s sleep)
+    first_end = float((tmp_path / f"end-{first}.txt").read_text())
+    assert float(started["HPC_JOB_STARTED"]) >= int(first_end)
+    assert scheduler.find_by_name(job.name) == [first, second]

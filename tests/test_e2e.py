@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import shutil
 import subprocess
 import time
 from collections import defaultdict
@@ -413,15 +414,37 @@ def models_of(reply: dict[str, Any], where: Path) -> dict[str, list[np.ndarray]]
 
 @pytest.mark.training
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("cluster", "slurm_continue"),
+    [("slurm", "requeue"), ("slurm", "successor"), pytest.param("gridengine", "successor", id="gridengine")],
+    indirect=["cluster"],
+)
 def test_training_longer_than_one_job_continues_and_equals_an_uninterrupted_run(
-    harness, rodan, sample_inputs, tmp_path
+    harness, rodan, sample_inputs, tmp_path, slurm_continue
 ):
     """One request needs several two-minute jobs; the same request with time to spare needs one.
 
     With the same seed both must train the same number of epochs on the same samples, and so
-    end with the same models; each gets exactly one reply.
+    end with the same models; each gets exactly one reply. On Slurm both ways to continue run:
+    requeue (the same job id again) and, as at a site that forbids requeue, a successor held on
+    the job (HPC_SLURM_CONTINUE=successor; there every ``scontrol requeue`` is refused).
     """
     cluster = harness.cluster
+    harness.env["HPC_SLURM_CONTINUE"] = slurm_continue
+    # Every scontrol of the bridge and of its jobs (they inherit PATH) goes through a wrapper
+    # that records it, and refuses a requeue where the site does not allow one.
+    scontrol_calls = tmp_path / "scontrol-calls.txt"
+    if cluster.name == "slurm":
+        refuse = "echo 'scontrol: error: Access/permission denied' >&2; exit 1"
+        refuse = refuse if slurm_continue == "successor" else ":"
+        wrapper = tmp_path / "site-bin" / "scontrol"
+        wrapper.parent.mkdir()
+        wrapper.write_text(
+            f'#!/bin/sh\necho "$*" >> "{scontrol_calls}"\nif [ "$1" = requeue ]; then {refuse}; fi\n'
+            f'exec {shutil.which("scontrol")} "$@"\n'
+        )
+        wrapper.chmod(0o755)
+        harness.env["PATH"] = f"{wrapper.parent}:{os.environ['PATH']}"
     # Warned 60 s into a two-minute job (the most a warning may take: half the limit). Slurm sends
     # its warning up to a minute early, so a Slurm job may train only a few seconds after its
     # start-up (~10 s here): with one-minute jobs a CI run under load once needed more than 20.
@@ -464,12 +487,19 @@ def test_training_longer_than_one_job_continues_and_equals_an_uninterrupted_run(
         assert not (runs[corr] / "checkpoints").exists() and not (runs[corr] / "inputs").exists()
     record = harness.ledger(continued)
     assert record["continuations"] >= 1 and harness.ledger(reference)["continuations"] == 0
-    if cluster.name == "slurm":  # requeued: one job id that ran several times
+    calls = scontrol_calls.read_text().splitlines() if scontrol_calls.exists() else []
+    requeued = [line for line in calls if line.startswith("requeue")]
+    scripts = {p.name: p.read_text() for p in (harness.spool / "jobs" / continued).glob("job*.sh")}
+    if cluster.name == "slurm" and slurm_continue == "requeue":  # one job id that ran several times
         assert cluster.jobs_started(record["job_name"]) == [record["job_id"]]
         assert "restart 1" in harness.job_output(continued)
+        assert len(requeued) >= record["continuations"] and set(requeued) == {f"requeue {record['job_id']}"}
+        assert list(scripts) == ["job.sh"] and "#SBATCH --requeue\n" in scripts["job.sh"]
     else:  # one held successor per continuation (accounted once it has ended, just after its reply)
-        assert len(record["job_ids"]) == record["continuations"] + 1
+        assert len(set(record["job_ids"])) == len(record["job_ids"]) == record["continuations"] + 1
         wait_until(lambda: cluster.jobs_started(record["job_name"]) == record["job_ids"], 30, what="accounting")
+        assert sorted(scripts) == sorted(["job.sh", *(f"job-after-{j}.sh" for j in record["job_ids"][:-1])])
+        assert not any("--requeue" in text for text in scripts.values()) and requeued == []
     events = [json.loads(line)["event"] for line in (runs[continued] / "job.log").read_text().splitlines()]
     assert events.count("training_stopped") == record["continuations"] == events.count("job_resume")
     assert events.count("job_continuing") == record["continuations"]

@@ -8,8 +8,15 @@ the scheduler's is late or lost. The signal handler only sets a flag; the traine
 at it between batches, saves a checkpoint and stops (``TrainingInterrupted``).
 
 The worker then asks the scheduler to run the job again (``Scheduler.continue_job``:
-Slurm requeues the same job id, Grid Engine submits a successor held on this job) after
-recording it in ``jobs/KEY/continuation.json`` for the bridge's reconciliation.
+Slurm requeues the same job id, or with ``HPC_SLURM_CONTINUE=successor`` submits a
+successor held on this job, as Grid Engine always does) after recording it in
+``jobs/KEY/continuation.json`` for the bridge's reconciliation. The way is the job
+spec's ``continue_by``, fixed when the bridge submitted the first job.
+
+A successor submission that failed as far as the worker can tell (sbatch or qsub timed
+out) may still have reached the scheduler: before asking again, the worker looks for a
+job of the same name newer than itself and takes it, so a request never has two
+successors.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import structlog
 
 from bridge.continuation import Continuation, write_continuation
 from bridge.errors import SchedulerUnavailable
-from bridge.schedulers import JobSpec, get_scheduler
+from bridge.schedulers import JobSpec, Scheduler, get_scheduler
 from bridge.spool import Spool, atomic_write_json
 
 log = structlog.get_logger("worker")
@@ -116,6 +123,24 @@ class ContinuationPlan:
         return self.count >= self.maximum
 
 
+def _submitted_after_all(scheduler: Scheduler, plan: ContinuationPlan, job_id: str) -> str:
+    """The successor of job ``job_id`` that a failed-looking submission left at the scheduler, or "".
+
+    Only a job of this request's name with a higher id than this one can be it (a requeue keeps
+    the id: nothing is found). A lookup that fails finds nothing: the submission is tried again.
+    """
+    if scheduler.continues_by(plan.spec) != "successor" or not job_id.isdigit():
+        return ""
+    try:
+        newer = [i for i in scheduler.find_by_name(plan.spec.name) if i.isdigit() and int(i) > int(job_id)]
+    except (SchedulerUnavailable, ValueError) as exc:
+        log.warning("successor_lookup_failed", error=str(exc))
+        return ""
+    if newer:
+        log.warning("job_continue_found_successor", next_job_id=max(newer, key=int), note="not submitted again")
+    return max(newer, key=int) if newer else ""
+
+
 def continue_job(
     plan: ContinuationPlan,
     *,
@@ -142,16 +167,27 @@ def continue_job(
     atomic_write_json(params_path, updated)  # no token in it any more (see job.forget_token)
     write_continuation(spool, key, Continuation(count=count, previous_job_id=job_id, stopped_at=stopped_at))
     scheduler = get_scheduler(plan.scheduler, timeout_s=plan.timeout_s, options=plan.options)
-    log.info("job_continuing", continuation=count, of=plan.maximum, scheduler=plan.scheduler, stopped_at=stopped_at)
+    log.info(
+        "job_continuing",
+        continuation=count,
+        of=plan.maximum,
+        scheduler=plan.scheduler,
+        by=scheduler.continues_by(plan.spec),
+        stopped_at=stopped_at,
+    )
     for attempt in range(1, CONTINUE_ATTEMPTS + 1):
         try:
             successor = scheduler.continue_job(job_id, plan.script, plan.spec)
             break
         except SchedulerUnavailable as exc:  # e.g. slurmctld busy: "Unexpected message received"
+            if attempt < CONTINUE_ATTEMPTS:
+                log.warning("job_continue_retry", attempt=attempt, error=str(exc))
+                time.sleep(CONTINUE_RETRY_S * attempt)
+            successor = _submitted_after_all(scheduler, plan, job_id)
+            if successor:
+                break
             if attempt == CONTINUE_ATTEMPTS:
                 raise
-            log.warning("job_continue_retry", attempt=attempt, error=str(exc))
-            time.sleep(CONTINUE_RETRY_S * attempt)
     write_continuation(
         spool, key, Continuation(count=count, previous_job_id=job_id, job_id=successor, stopped_at=stopped_at)
     )
