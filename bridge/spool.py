@@ -1,6 +1,7 @@
 """The private spool: where the bridge and its jobs keep state on shared storage.
 
-Layout (directory 0700, files 0600)::
+Layout (directory 0700, files 0600; the root 0710 once HPC_RUNS_SHARED=group keeps SPOOL/runs
+here: the group may pass through to ``runs/`` by name and list nothing)::
 
     SPOOL/
       bridge.lock          held by the one bridge process working at a time
@@ -17,15 +18,28 @@ Every write is atomic: temp file, flush, fsync, ``os.replace``, directory fsync.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
 import os
 import re
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from bridge.errors import ConfigError
+
+#: What flock(2) raises where the filesystem keeps no locks (NFS without lockd, Lustre mounted
+#: without ``flock``, some FUSE filesystems). ENOTSUP is EOPNOTSUPP on Linux.
+NO_LOCKS = frozenset({errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP})
+#: The fix the lock error and ``doctor`` give.
+LOCK_FIX = (
+    "put the spool on a filesystem with POSIX locks, e.g. project space "
+    "(NFS needs lockd; Lustre the flock mount option)"
+)
 
 _SAFE_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -72,16 +86,50 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def mount_of(path: Path) -> tuple[str, str]:
+    """(mount point, filesystem type) of ``path``, from /proc/mounts; ("", "") when unknown."""
+    resolved = str(Path(path).resolve())
+    best = ("", "")
+    try:
+        lines = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return best
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = resolved == point or resolved.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best[0]):
+            best = (point, fields[2])
+    return best
+
+
+def no_locks_error(directory: Path, exc: OSError) -> ConfigError:
+    """The configuration error for a spool whose filesystem refused a lock with ``exc``."""
+    point, fstype = mount_of(directory)
+    where = f"{fstype or 'an unknown filesystem'} mounted at {point or '?'}"
+    return ConfigError(
+        f"the spool {directory} is on {where}, which does not support file locks "
+        f"({exc.strerror or errno.errorcode.get(exc.errno or 0, exc)}): {LOCK_FIX}; or set HPC_SPOOL_DIR elsewhere"
+    )
+
+
 class Spool:
     def __init__(self, root: Path) -> None:
         self.root = root
 
     def ensure(self) -> Spool:
-        """Create the layout, private to the owner (also tightens an existing spool)."""
+        """Create the layout, private to the owner (also tightens an existing spool).
+
+        The root keeps a group execute bit (0710) that a worker with HPC_RUNS_SHARED=group set
+        so that the group reaches SPOOL/runs; nothing else of the group's or others' survives.
+        """
         for sub in ("", "ledger", "params", "jobs", "outbox", "replies"):
             directory = self.root / sub
             directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-            os.chmod(directory, 0o700)
+            keep = stat.S_IMODE(directory.stat().st_mode) & stat.S_IXGRP if sub == "" else 0
+            os.chmod(directory, 0o700 | keep)
         return self
 
     @property
@@ -107,7 +155,11 @@ class Spool:
 
     @contextlib.contextmanager
     def lock(self) -> Iterator[bool]:
-        """Yield True when this process holds the bridge lock, False if another one does."""
+        """Yield True when this process holds the bridge lock, False if another one does.
+
+        Raises :class:`ConfigError` (naming the mount and its filesystem type) where the
+        spool's filesystem keeps no locks: two bridges could then work on it at once.
+        """
         self.ensure()
         fd = os.open(self.root / "bridge.lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -116,6 +168,10 @@ class Spool:
             except BlockingIOError:
                 yield False
                 return
+            except OSError as exc:
+                if exc.errno in NO_LOCKS:
+                    raise no_locks_error(self.root, exc) from exc
+                raise
             os.ftruncate(fd, 0)
             os.write(fd, f"{os.getpid()}\n".encode())
             try:

@@ -4,7 +4,7 @@ One training run writes everything that explains it under one directory, so a fi
 killed job can be looked at afterwards (``tensorboard --logdir <run>/tensorboard``, NumPy,
 a spreadsheet, or the PNG)::
 
-    <root>/<YYYYmmdd-HHMMSS>-<name>/       (mode 0700; the timestamp is UTC)
+    <root>/<YYYYmmdd-HHMMSS>-<name>/       (mode 0700, shared: 0750; the timestamp is UTC)
         settings.json                      the resolved TrainSettings
         job.log                            the worker's JSON log lines (the worker tees them here)
         tensorboard/<label>/train/...      one TensorBoard log directory per layer
@@ -28,6 +28,16 @@ in full precision, ``nan`` where missing).
 
 The history files and the plot are rewritten whole (temporary file, then ``os.replace``),
 so a reader never sees a half-written one. A RunDirectory is meant for one thread.
+
+Who may read it: a private run directory (the default, ``HPC_RUNS_SHARED=private``) is 0700
+with 0600 files. A shared one (``group``) is 0750 with 0640 files, so that the group of the
+directory (the lab's Unix group: give the runs folder that group and the setgid bit, and every
+run directory inherits it) can open the log, the history, the curves and TensorBoard. The
+job runs under ``umask 077``, so the modes are set here: every file this class writes gets
+them at once, and :meth:`RunDirectory.share` gives them to what others wrote (TensorBoard's
+event files, the log, ``gpu.csv``) after every epoch. The folders in
+:data:`PRIVATE_FOLDERS` (``inputs/``: Rodan's pages; ``checkpoints/``: the weights) stay
+0700 with 0600 files in every mode.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ import logging
 import math
 import os
 import re
+import stat
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime, timezone
@@ -65,6 +76,11 @@ CURVES_PNG = "training_curves.png"
 TENSORBOARD_DIR = "tensorboard"
 #: The npz key that lists the labels in order.
 LABELS_KEY = "labels"
+#: Folders of a run directory that stay private (0700, files 0600) in every mode.
+PRIVATE_FOLDERS = ("inputs", "checkpoints")
+#: (folder mode, file mode) of a private run directory and of one shared with its group.
+PRIVATE_MODES = (0o700, 0o600)
+GROUP_MODES = (0o750, 0o640)
 
 
 def safe_name(name: str, default: str = "run", limit: int = 80) -> str:
@@ -72,10 +88,11 @@ def safe_name(name: str, default: str = "run", limit: int = 80) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._-")[:limit] or default
 
 
-def _write_atomic(path: Path, write: Callable[[IO[bytes]], object]) -> Path:
-    """Call ``write`` on a temporary file beside ``path``, then rename it over ``path``."""
+def _write_atomic(path: Path, write: Callable[[IO[bytes]], object], mode: int = 0o600) -> Path:
+    """Call ``write`` on a temporary file (``mode``) beside ``path``, then rename it over ``path``."""
     fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
     try:
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as handle:
             write(handle)
         os.replace(temporary, path)
@@ -85,24 +102,55 @@ def _write_atomic(path: Path, write: Callable[[IO[bytes]], object]) -> Path:
     return path
 
 
+def set_mode(path: Path, mode: int) -> None:
+    """``chmod`` ``path`` to ``mode`` unless it is a symbolic link or gone; a folder keeps its
+    setgid bit (the group its new files get)."""
+    try:
+        info = os.lstat(path)
+        if stat.S_ISLNK(info.st_mode):
+            return
+        if stat.S_ISDIR(info.st_mode):
+            mode |= info.st_mode & stat.S_ISGID
+        if stat.S_IMODE(info.st_mode) != mode:
+            os.chmod(path, mode)
+    except FileNotFoundError:  # a temporary file renamed meanwhile
+        pass
+
+
+def let_group_in(path: Path, bits: int = 0o050) -> None:
+    """Add the group permission ``bits`` to a folder of this user's (others' are left alone);
+    a failure is logged, never raised: the training goes on, only less visible."""
+    try:
+        info = os.lstat(path)
+        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid() and (info.st_mode & bits) != bits:
+            os.chmod(path, stat.S_IMODE(info.st_mode) | bits)
+    except OSError as exc:
+        log.warning("could not open %s to its group: %s", path, exc)
+
+
 class RunDirectory:
     """One training run's directory; make one with :meth:`create`."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, shared: bool = False) -> None:
         self.path = Path(path)
+        self.shared = shared  # HPC_RUNS_SHARED=group
+        self.dir_mode, self.file_mode = GROUP_MODES if shared else PRIVATE_MODES
         self._records: dict[str, list[dict[str, Any]]] = {}
         self._tensorboard_names: dict[str, str] = {}
         self._warned_tensorboard = False
 
     @classmethod
-    def create(cls, root: Path, name: str, *, now: datetime | None = None) -> RunDirectory:
-        """Make ``root/<UTC YYYYmmdd-HHMMSS>-<safe name>/`` with mode 0700.
+    def create(cls, root: Path, name: str, *, now: datetime | None = None, shared: bool = False) -> RunDirectory:
+        """Make ``root/<UTC YYYYmmdd-HHMMSS>-<safe name>/`` with mode 0700 (``shared``: 0750).
 
-        ``root`` is made if missing. A second run with the same name in the same second
-        gets ``-2``, ``-3``, ... appended, never someone else's directory.
+        ``root`` is made if missing (``shared``: and opened to its group, g+rx, if it is this
+        user's). A second run with the same name in the same second gets ``-2``, ``-3``, ...
+        appended, never someone else's directory.
         """
         root = Path(root)
         root.mkdir(parents=True, exist_ok=True)
+        if shared:
+            let_group_in(root)
         moment = (now or datetime.now(timezone.utc)).astimezone(timezone.utc)
         stem = f"{moment.strftime(TIMESTAMP_FORMAT)}-{safe_name(name)}"
         candidate, number = root / stem, 2
@@ -112,8 +160,11 @@ class RunDirectory:
                 break
             except FileExistsError:
                 candidate, number = root / f"{stem}-{number}", number + 1
-        candidate.chmod(0o700)  # mkdir's mode is filtered by the umask
-        return cls(candidate)
+        if shared:
+            set_mode(candidate, GROUP_MODES[0])  # keeps the setgid bit inherited from root
+        else:
+            candidate.chmod(0o700)  # mkdir's mode is filtered by the umask
+        return cls(candidate, shared=shared)
 
     # ----------------------------------------------------------------------------- paths
 
@@ -162,6 +213,9 @@ class RunDirectory:
         """``tensorboard/<safe label>/``, distinct per label (also on case-insensitive file systems)."""
         directory = self.path / TENSORBOARD_DIR / self._tensorboard_name(label)
         directory.mkdir(parents=True, exist_ok=True)
+        if self.shared:
+            set_mode(directory.parent, self.dir_mode)
+            set_mode(directory, self.dir_mode)
         return directory
 
     def tensorboard_callback(self, label: str) -> Any:
@@ -191,7 +245,7 @@ class RunDirectory:
     def write_settings(self, settings: Mapping[str, Any]) -> Path:
         """Write ``settings`` to settings.json (a value JSON has no type for is written as its str())."""
         text = json.dumps(dict(settings), indent=2, sort_keys=True, default=str) + "\n"
-        return _write_atomic(self.settings_path, lambda handle: handle.write(text.encode()))
+        return _write_atomic(self.settings_path, lambda handle: handle.write(text.encode()), self.file_mode)
 
     def record_epoch(self, label: str, epoch_metrics: Mapping[str, Any]) -> None:
         """Keep one epoch's statistics (a dict as EpochReporter gives; missing keys become NaN)."""
@@ -227,7 +281,7 @@ class RunDirectory:
     def write_history(self) -> tuple[Path, Path]:
         """Rewrite history.npz and history.csv from every epoch recorded so far."""
         arrays = self.history_arrays()
-        _write_atomic(self.history_npz_path, lambda handle: np.savez(handle, **arrays))  # type: ignore[arg-type]
+        _write_atomic(self.history_npz_path, lambda handle: np.savez(handle, **arrays), self.file_mode)  # type: ignore[arg-type]
         text = io.StringIO()
         writer = csv.writer(text, lineterminator="\n")
         writer.writerow(HISTORY_COLUMNS)
@@ -238,7 +292,7 @@ class RunDirectory:
                     + [repr(record[key]) for key in HISTORY_STATISTICS if key != "epoch"]
                 )
         data = text.getvalue().encode()
-        _write_atomic(self.history_csv_path, lambda handle: handle.write(data))
+        _write_atomic(self.history_csv_path, lambda handle: handle.write(data), self.file_mode)
         return self.history_npz_path, self.history_csv_path
 
     def plot_curves(self) -> Path:
@@ -266,7 +320,7 @@ class RunDirectory:
                 ax.set_ylabel(metric)
                 ax.grid(True, alpha=0.3)
                 ax.xaxis.get_major_locator().set_params(integer=True)
-        return _write_atomic(self.curves_path, lambda handle: figure.savefig(handle, format="png"))
+        return _write_atomic(self.curves_path, lambda handle: figure.savefig(handle, format="png"), self.file_mode)
 
     def write_artifacts(self) -> None:
         """Rewrite the history files and the plot; a failing plot is logged, never raised."""
@@ -275,6 +329,27 @@ class RunDirectory:
             self.plot_curves()
         except Exception:
             log.warning("could not draw %s", self.curves_path, exc_info=True)
+        self.share()
+
+    def share(self) -> None:
+        """Give everything in the run directory now the modes of its mode (see the module's
+        docstring): with ``shared``, folders 0750 and files 0640, but 0700/0600 in and for
+        :data:`PRIVATE_FOLDERS`; symbolic links are left alone. Private: nothing to do (the
+        job's ``umask 077`` made everything 0700/0600)."""
+        if not self.shared:
+            return
+        try:
+            set_mode(self.path, self.dir_mode)
+            for top, folders, files in os.walk(self.path):
+                inside = Path(top).relative_to(self.path).parts
+                private = bool(inside) and inside[0] in PRIVATE_FOLDERS
+                for folder in folders:
+                    closed = private or (not inside and folder in PRIVATE_FOLDERS)
+                    set_mode(Path(top, folder), PRIVATE_MODES[0] if closed else self.dir_mode)
+                for file in files:
+                    set_mode(Path(top, file), PRIVATE_MODES[1] if private else self.file_mode)
+        except OSError as exc:  # the training goes on; its run is only less visible
+            log.warning("could not share %s with its group: %s", self.path, exc)
 
     def epoch_callback(
         self, on_epoch: Callable[[dict[str, Any]], None] | None = None
@@ -283,6 +358,7 @@ class RunDirectory:
 
         def record(event: dict[str, Any]) -> None:
             self.record_epoch(str(event["label"]), event)
+            self.share()  # the epoch's TensorBoard events: readable by the group as they come
             if on_epoch is not None:
                 on_epoch(event)
 
