@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from bridge.spool import Spool, atomic_write_json, read_json, safe_key
+from bridge.version import package_version
 
 
 class RequestState(str, Enum):
@@ -59,6 +60,7 @@ class RequestRecord:
     deliveries: int = 0  # times intake began on this request without finishing: a crash or kill (poison count)
     deferred_since: float = 0.0  # first transient failure of the current run of them (HPC_DEFER_LIMIT)
     pending_since: float = 0.0  # when reconciliation first saw the job PENDING this time (HPC_MAX_PENDING)
+    bridge_version: str = field(default_factory=package_version)  # the hpc-bridge that took the request
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -70,6 +72,7 @@ class RequestRecord:
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in data.items() if k in known}
         values["state"] = RequestState(values.get("state", RequestState.RECEIVED.value))
+        values.setdefault("bridge_version", "")  # written before versions were recorded: not this one
         return cls(**values)
 
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from bridge.logs import configure_logging
+from bridge.version import package_version
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,6 +17,7 @@ def main(argv: list[str] | None = None) -> int:
         "model per layer, and publish the models (or an error) to the request's reply queue.",
         epilog="example: hpc-worker run ~/hpc-bridge-spool/params/2f1c...json",
     )
+    parser.add_argument("--version", action="version", version=f"hpc-worker {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser(
         "run",
