@@ -1,0 +1,481 @@
+"""``python -m worker.probe PROBE_FILE``: what ``hpc-bridge doctor --job`` runs on a compute node.
+
+It runs inside a batch job rendered from the bridge's own template (the same directives,
+prologue and ``HPC_WORKER_PYTHON`` as a Rodan request's job) and checks, from the node, what a
+training job needs there:
+
+- spool: the file the login node wrote is readable here, and the folders the worker writes in
+  (the outbox, the job folders, the parameter files, the run directories) take a file;
+- lock: ``flock`` and ``fcntl`` locks work in the spool, and a lock the login node holds is seen;
+- worker: the worker environment imports ``worker.trainer`` and TensorFlow, and TensorFlow sees
+  the GPUs the job was given;
+- scratch: node-local scratch for checkpoints exists, takes a file and has room;
+- rodan: Rodan answers an unauthenticated GET over HTTP(S) (the worker downloads the inputs);
+- broker: the broker's port accepts a TCP connection (else the outbox carries the replies);
+- continue: the job may continue itself as a training job does (Slurm requeue, or a successor
+  job submitted from the node; the successor is cancelled at once).
+
+The probe file holds no secret (Rodan's address, the broker's host and port; no password, no
+token). Every finding is written to ``result.json`` beside it as soon as it is known, so the
+login side gets what was found even when a later check kills the job (a Slurm requeue does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import requests
+import structlog
+
+from bridge.logs import configure_logging
+from bridge.schedulers import JobSpec, get_scheduler
+from bridge.shell import CommandError, CommandNotFound, CommandTimeout, run_command
+from bridge.spool import LOCK_FIX, NO_LOCKS, atomic_write_json, mount_of, read_json
+
+log = structlog.get_logger("worker")
+
+#: The file beside the probe file that the node writes and the login side reads.
+RESULT_NAME = "result.json"
+#: The file the login node writes before submitting; the node reports what it read there.
+TOKEN_NAME = "from-login"
+#: A file the login node holds an exclusive ``flock`` on while it waits for the probe.
+HELD_LOCK_NAME = "held.lock"
+#: When the result file cannot be written, the result goes to the job's output after this marker.
+RESULT_MARKER = "HPC-PROBE-RESULT "
+#: What the TensorFlow check prints before its JSON line.
+TF_MARKER = "HPC-PROBE-TF "
+TF_CODE = (
+    "import json, os\n"
+    "os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')\n"
+    "import worker.trainer\n"
+    "import tensorflow as tf\n"
+    "gpus = tf.config.list_physical_devices('GPU')\n"
+    f"print({TF_MARKER!r} + json.dumps({{'tensorflow': tf.__version__, 'gpus': len(gpus), "
+    "'cuda': bool(tf.test.is_built_with_cuda())}))\n"
+)
+#: How much the scratch check writes (and removes).
+SCRATCH_WRITE_BYTES = 1 << 20
+
+Finding = dict[str, str]
+
+
+def ok(found: str) -> Finding:
+    return {"status": "ok", "found": found, "fix": ""}
+
+
+def fail(found: str, fix: str) -> Finding:
+    return {"status": "FAIL", "found": found, "fix": fix}
+
+
+def warn(found: str, fix: str = "") -> Finding:
+    return {"status": "warn", "found": found, "fix": fix}
+
+
+def skip(why: str) -> Finding:
+    return {"status": "skip", "found": f"skipped: {why}", "fix": ""}
+
+
+def _error(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"[Errno {exc.errno}] {exc.strerror}"
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+
+
+# --- spool -------------------------------------------------------------------------------------
+
+
+def _write_probe_file(directory: Path) -> None:
+    """Write, fsync, rename, read back and remove a small file in ``directory``."""
+    name = f".probe-{socket.gethostname()}-{os.getpid()}"
+    first, second = directory / f"{name}.tmp", directory / name
+    data = f"hpc-bridge probe from {socket.gethostname()}\n".encode()
+    try:
+        fd = os.open(first, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(first, second)
+        if second.read_bytes() != data:
+            raise OSError(errno.EIO, "the file read back differs from what was written")
+    finally:
+        for path in (first, second):
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+
+def check_spool(params: Mapping[str, Any], result: dict[str, Any]) -> Finding:
+    probe_dir = Path(params["dir"])
+    try:
+        result["token"] = (probe_dir / TOKEN_NAME).read_text().strip()
+    except OSError as exc:
+        return fail(
+            f"cannot read {probe_dir / TOKEN_NAME}, which the login node wrote ({_error(exc)})",
+            "HPC_SPOOL_DIR must be the same directory on the login node and the compute nodes (shared storage "
+            "mounted at the same path)",
+        )
+    problems, written = [], []
+    for label, path in params["write_dirs"].items():
+        directory = Path(path)
+        try:
+            if label == "runs":
+                directory.mkdir(parents=True, exist_ok=True)  # as the worker's RunDirectory.create does
+            _write_probe_file(directory)
+            written.append(f"{label} ({directory})")
+        except OSError as exc:
+            problems.append(f"{label} ({directory}): {_error(exc)}")
+    if problems:
+        return fail(
+            "cannot write in " + "; ".join(problems),
+            "the worker writes its replies (outbox), continuation records (jobs), parameter files (params) and "
+            "run directories (runs: HPC_RUNS_DIR) from the node: make them writable there by the user the jobs "
+            "run as, at the same path as on the login node",
+        )
+    point, fstype = mount_of(probe_dir)
+    where = f" on {fstype} ({point})" if fstype else ""
+    return ok(
+        f"read the login node's file, and wrote, fsynced, renamed and removed a file in {', '.join(written)}{where}"
+    )
+
+
+# --- locks -------------------------------------------------------------------------------------
+
+
+def check_lock(params: Mapping[str, Any], result: dict[str, Any]) -> Finding:
+    probe_dir = Path(params["dir"])
+    point, fstype = mount_of(probe_dir)
+    mount = f"{point or probe_dir} ({fstype or 'unknown filesystem'})"
+    for kind, path in (("flock", probe_dir / "node-flock.lock"), ("fcntl", probe_dir / "node-fcntl.lock")):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            return fail(f"cannot create {path} ({_error(exc)})", "see node-spool")
+        try:
+            if kind == "flock":
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            else:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.lockf(fd, fcntl.LOCK_UN)
+        except OSError as exc:
+            if exc.errno in NO_LOCKS:
+                return fail(f"{kind} locks are not supported on {mount} ({_error(exc)})", LOCK_FIX)
+            return fail(f"{kind} lock on {path} failed ({_error(exc)})", "see node-spool")
+        finally:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                path.unlink()
+    held = probe_dir / HELD_LOCK_NAME
+    try:
+        fd = os.open(held, os.O_RDWR)
+    except OSError as exc:
+        return warn(f"flock and fcntl locks work on {mount}; cannot open {held} ({_error(exc)})")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return ok(f"flock and fcntl locks work on {mount}, and the lock the login node holds is seen from the node")
+    except OSError as exc:
+        return warn(f"flock and fcntl locks work on {mount}; testing the login node's lock failed ({_error(exc)})")
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return warn(
+            f"flock and fcntl locks work on {mount}, but the lock the login node holds is not seen from the node "
+            "(locks are local to each machine, e.g. NFS mounted with local_lock)",
+            "harmless while one machine runs the bridge; never run hpc-bridge on two machines over this spool",
+        )
+    finally:
+        os.close(fd)
+
+
+# --- worker environment and GPUs ---------------------------------------------------------------
+
+
+def judge_gpus(asked: int, seen: int, *, gres: str = "", cuda: bool = True, visible: str = "") -> Finding:
+    """Whether TensorFlow sees the GPUs the job was given (``asked``: the count in its GPU request)."""
+    request = f" ({gres})" if gres else ""
+    shown = f" (CUDA_VISIBLE_DEVICES={visible})" if visible else ""
+    if seen < asked:
+        build = "" if cuda else " (this TensorFlow is built without CUDA)"
+        return fail(
+            f"the job asked for {asked} GPU(s){request} and was given them{shown}, but TensorFlow sees {seen}{build}",
+            "give the worker environment a TensorFlow built for the nodes' CUDA driver (pip install "
+            "'tensorflow[and-cuda]'), or load the CUDA modules in HPC_JOB_PROLOGUE; compare with nvidia-smi in a job",
+        )
+    if seen > asked:
+        return warn(
+            f"TensorFlow sees {seen} GPU(s) but the job asked for {asked}{request}: jobs are not confined to "
+            "the GPUs they were given, so a training may use another job's GPU",
+            "ask the administrators to confine jobs to their GPUs (Slurm: ConstrainDevices=yes in cgroup.conf)",
+        )
+    return ok(f"{seen} of the {asked} GPU(s) asked{request} visible to TensorFlow{shown}")
+
+
+def check_worker(params: Mapping[str, Any], result: dict[str, Any]) -> Finding:
+    python = sys.executable
+    fix = (
+        "install the worker into HPC_WORKER_PYTHON's environment on a path the nodes see (pip install "
+        "'hpc-bridge[worker]'), or load what it needs (modules, CUDA) in HPC_JOB_PROLOGUE"
+    )
+    timeout = float(params.get("tf_timeout_s", 240.0))
+    try:
+        answer = run_command([python, "-c", TF_CODE], timeout=timeout, env=dict(os.environ))
+    except CommandTimeout:
+        return fail(f"{python} took over {timeout:g} s to import worker.trainer and TensorFlow on the node", fix)
+    except CommandNotFound:
+        return fail(f"{python} cannot be started again on the node", fix)
+    except CommandError as exc:
+        lines = [line for line in exc.output.splitlines() if line.strip()]
+        last = lines[-1].strip() if lines else exc.reason
+        return fail(f"{python} cannot import worker.trainer and TensorFlow on the node: {last[:300]}", fix)
+    lines = [line for line in answer.stdout.splitlines() if line.startswith(TF_MARKER)]
+    if not lines:
+        return fail(f"{python} printed no TensorFlow version on the node: {answer.stdout.strip()[:200]!r}", fix)
+    found = json.loads(lines[-1][len(TF_MARKER) :])
+    result["tensorflow"] = found
+    gpus = judge_gpus(
+        int(params.get("gpus_asked", 0)),
+        int(found["gpus"]),
+        gres=str(params.get("gres") or ""),
+        cuda=bool(found.get("cuda", True)),
+        visible=os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+    )
+    gpus["found"] = f"{python}: worker.trainer and TensorFlow {found['tensorflow']} import; {gpus['found']}"
+    return gpus
+
+
+# --- node-local scratch ------------------------------------------------------------------------
+
+
+def scratch_candidates(configured: str | None, environ: Mapping[str, str]) -> list[tuple[str, str]]:
+    """Where the worker looks for node-local scratch, in its order (worker/job.py)."""
+    found = [("HPC_NODE_LOCAL_DIR", configured or "")]
+    found += [(name, environ.get(name, "")) for name in ("SLURM_TMPDIR", "TMPDIR")]
+    return [(name, value) for name, value in found if value]
+
+
+def check_scratch(params: Mapping[str, Any], result: dict[str, Any]) -> Finding:
+    minimum = int(params.get("min_scratch_bytes", 2 << 30))
+    notes: list[str] = []
+    for name, value in scratch_candidates(params.get("node_local_dir"), os.environ):
+        base = Path(value)
+        if not base.is_dir():
+            if name == "HPC_NODE_LOCAL_DIR":
+                notes.append(f"{name} {base} does not exist on this node")
+            continue
+        try:
+            fd, path = tempfile.mkstemp(prefix="hpc-probe-", dir=base)
+            try:
+                os.write(fd, b"\0" * SCRATCH_WRITE_BYTES)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+                os.unlink(path)
+            stats = os.statvfs(base)
+        except OSError as exc:
+            return warn(
+                f"cannot write in {name} {base} ({_error(exc)}): checkpoints go straight to the run directory",
+                "make node-local scratch writable for jobs, or set HPC_NODE_LOCAL_DIR to one that is",
+            )
+        free = stats.f_bavail * stats.f_frsize
+        point, fstype = mount_of(base)
+        where = f"{name} {base} ({fstype or 'unknown'} at {point or '?'}, {free / 2**30:.1f} GiB free)"
+        prefix = "; ".join(notes) + ": using " if notes else ""
+        if free < minimum:
+            return warn(
+                f"{prefix}{where}: under the {minimum / 2**30:.1f} GiB a training's checkpoints may need",
+                "point HPC_NODE_LOCAL_DIR at a larger node-local disk, or ask for more scratch",
+            )
+        if notes:  # the configured directory is missing here: the worker falls back, as this did
+            return warn(f"{prefix}{where}: writable", "create HPC_NODE_LOCAL_DIR on the nodes, or unset it")
+        return ok(f"{where}: writable")
+    what = "; ".join(notes) or "neither HPC_NODE_LOCAL_DIR, $SLURM_TMPDIR nor $TMPDIR names a directory here"
+    return warn(
+        f"no node-local scratch ({what}): checkpoints go straight to the run directory on shared storage",
+        "set HPC_NODE_LOCAL_DIR to a node-local disk (e.g. /local/scratch) for faster checkpoints",
+    )
+
+
+# --- Rodan and the broker, over the network ----------------------------------------------------
+
+
+def check_rodan(params: Mapping[str, Any], result: dict[str, Any]) -> Finding:
+    url = str(params["rodan_url"]).rstrip("/") + "/api/auth/me/"
+    timeout = float(params.get("rodan_timeout_s", 15.0))
+    fix = (
+        "the worker downloads the inputs from Rodan inside the job: open the route from the nodes to RODAN_HOST, "
+        "or export the site's proxy (HTTPS_PROXY=...) in HPC_JOB_PROLOGUE"
+    )
+    with requests.Session() as session:  # honours HTTPS_PROXY and REQUESTS_CA_BUNDLE as the worker does
+        try:
+            response = session.get(url, timeout=timeout, allow_redirects=False)
+        except requests.exceptions.SSLError as exc:
+            return fail(
+                f"GET {url} from the node: TLS failed ({_error(exc)})",
+                "the node does not trust Rodan's certificate: install its CA on the nodes, or export "
+                "REQUESTS_CA_BUNDLE=/path/to/ca.pem in HPC_JOB_PROLOGUE",
+            )
+        except requests.exceptions.RequestException as exc:
+            return fail(f"GET {url} from the node failed ({_error(exc)})", fix)
+    code = response.status_code
+    if code in (200, 401, 403):
+        return ok(f"GET {url} answered {code} from the node (no credentials sent: Rodan answers)")
+    if 300 <= code < 400:
+        where = response.headers.get("Location", "?")
+        return warn(f"GET {url} answered {code}, redirecting to {where}", "check RODAN_SCHEME and RODAN_HOST")
+    if code >= 500:
+        return warn(f"GET {url} answered {code} from the node: reachable, but Rodan (or a proxy) fails now")
+    return warn(f"GET {url} answered {code} from the node", "check RODAN_HOST points at Rodan's API")
+
+
+def check_broker(params: Mapping[str, Any], result: dict[str, Any]) -> Finding:
+    host, port = str(params["broker"]["host"]), int(params["broker"]["port"])
+    try:
+        with socket.create_connection((host, port), timeout=10.0):
+            pass
+    except OSError as exc:
+        return warn(
+            f"{host}:{port} is not reachable from the node ({_error(exc)}): replies will be carried by the "
+            "outbox: the worker stages each reply in the spool's outbox and hpc-bridge publishes it from the "
+            "login node on its next pass",
+            "nothing to do; to have replies published from the nodes at once, open the route to the broker",
+        )
+    return ok(f"{host}:{port} accepts a TCP connection from the node: the worker publishes its replies itself")
+
+
+# --- continuing a job --------------------------------------------------------------------------
+
+
+def check_continue(params: Mapping[str, Any], result: dict[str, Any], save: Callable[[], None]) -> Finding:
+    """Ask the scheduler to continue this job, as a training job at its time limit does.
+
+    Slurm's requeue ends this process soon after it is accepted: the result is saved before asking.
+    """
+    cont = params.get("continue")
+    if not cont:
+        return skip(str(params.get("continue_skipped", "jobs do not continue")))
+    job_id = os.environ.get("HPC_JOB_ID", "")
+    mode = str(cont.get("mode", ""))
+    if not job_id:
+        return fail("HPC_JOB_ID is not set: the batch script is not the bridge's template", "see probe-job")
+    result["continue"] = {"mode": mode, "state": "asking", "job_id": job_id}
+    save()
+    scheduler = get_scheduler(str(cont["scheduler"]), timeout_s=float(cont["timeout_s"]), options=cont["options"])
+    spec = JobSpec.from_json(cont["spec"])
+    try:
+        next_id = scheduler.continue_job(job_id, Path(cont["script"]), spec)
+    except Exception as exc:  # whatever the scheduler says, it is the finding
+        result["continue"].update(state="refused", error=_error(exc))
+        return _refused(mode, scheduler.display_name, _error(exc))
+    if next_id == job_id:
+        result["continue"].update(state="requeued")
+        return ok(f"{scheduler.display_name} accepted the requeue of job {job_id} from the node")
+    result["continue"].update(state="submitted", successor=next_id)
+    save()
+    try:
+        scheduler.cancel(next_id)
+        result["continue"]["cancelled"] = True
+    except Exception as exc:  # the login side cancels it too
+        result["continue"]["cancel_error"] = _error(exc)
+    return ok(f"job {next_id} submitted from the node, held on job {job_id} (the way a job continues), and cancelled")
+
+
+def _refused(mode: str, label: str, error: str) -> Finding:
+    if mode == "requeue":
+        return fail(
+            f"{label} refused to requeue the job from the node ({error})",
+            "this cluster does not let jobs requeue themselves (or strips --requeue): set "
+            "HPC_SLURM_CONTINUE=successor so a job continues by submitting its successor",
+        )
+    return fail(
+        f"submitting the successor job from the node failed ({error})",
+        "a job continues by submitting its successor from the node: the nodes must be submit hosts (Grid "
+        "Engine: qconf -as HOST) and the submit command must be on PATH in the job (HPC_JOB_PROLOGUE)",
+    )
+
+
+# --- the probe ---------------------------------------------------------------------------------
+
+CHECKS: tuple[tuple[str, Callable[[Mapping[str, Any], dict[str, Any]], Finding]], ...] = (
+    ("spool", check_spool),
+    ("lock", check_lock),
+    ("broker", check_broker),
+    ("rodan", check_rodan),
+    ("scratch", check_scratch),
+    ("worker", check_worker),
+)
+
+
+def _save(path: Path, result: Mapping[str, Any]) -> None:
+    try:
+        atomic_write_json(path, result)
+    except OSError:  # the login side then looks for it in the job's output
+        print(RESULT_MARKER + json.dumps(result, sort_keys=True), flush=True)
+
+
+def run_probe(probe_file: Path) -> int:
+    params = read_json(probe_file)
+    result_path = probe_file.with_name(RESULT_NAME)
+    job_id = os.environ.get("HPC_JOB_ID", "")
+    restart = os.environ.get("SLURM_RESTART_COUNT") or os.environ.get("RESTARTED") or "0"
+    if result_path.exists():  # run again: requeued, or a successor that was not cancelled in time
+        with contextlib.suppress(OSError, ValueError):
+            earlier = read_json(result_path)
+            earlier["reran"] = {"job_id": job_id, "restart": restart, "at": time.time()}
+            _save(result_path, earlier)
+        log.info("probe_reran", job_id=job_id, restart=restart)
+        return 0
+    result: dict[str, Any] = {
+        "host": socket.gethostname(),
+        "job_id": job_id,
+        "restart": restart,
+        "python": sys.executable,
+        "started_at": time.time(),
+        "checks": {},
+        "finished": False,
+    }
+    for name, check in CHECKS:
+        try:
+            finding = check(params, result)
+        except Exception as exc:  # a defect of the probe: say so, and go on with the next check
+            finding = fail(f"the check itself failed ({_error(exc)})", "report this as a bug of hpc-bridge")
+        result["checks"][name] = finding
+        log.info("probe_check", check=name, status=finding["status"], found=finding["found"])
+        _save(result_path, result)
+    try:
+        finding = check_continue(params, result, lambda: _save(result_path, result))
+    except Exception as exc:
+        finding = fail(f"the check itself failed ({_error(exc)})", "report this as a bug of hpc-bridge")
+    result["checks"]["continue"] = finding
+    result["finished"] = True
+    result["finished_at"] = time.time()
+    _save(result_path, result)
+    log.info("probe_finished", checks={k: v["status"] for k, v in result["checks"].items()})
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m worker.probe",
+        description="Check a compute node for hpc-bridge (what 'hpc-bridge doctor --job' submits).",
+    )
+    parser.add_argument("probe_file", type=Path, help="the probe file hpc-bridge doctor --job wrote in the spool")
+    args = parser.parse_args(argv)
+    configure_logging(level="INFO", stream=sys.stdout, component="worker")
+    return run_probe(args.probe_file)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
