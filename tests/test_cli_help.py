@@ -29,7 +29,7 @@ def _subcommands(module: str) -> list[str]:
 def test_every_bridge_command_is_listed() -> None:
     assert set(_subcommands("bridge")) == {
         "check", "run", "enqueue", "chain", "status", "doctor", "logs", "requeue-dead", "purge",
-        "prune",
+        "prune", "install",
     }  # fmt: skip
 
 

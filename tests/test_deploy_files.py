@@ -7,7 +7,6 @@ and never let a password out.
 
 from __future__ import annotations
 
-import configparser
 import dataclasses
 import fcntl
 import json
@@ -22,17 +21,16 @@ from pathlib import Path
 
 import pytest
 
-from bridge.config import load_config
+from bridge.config import known_keys, load_config
 from bridge.errors import ConfigError
 from bridge.spool import Spool
+from tests.conftest import Queues
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "credentials.env.example"
-CONFIG_SOURCE = REPO / "bridge" / "config.py"
 DEPLOY = REPO / "deploy"
 RUN_CHECK = DEPLOY / "run_check"
 SYSTEMD = DEPLOY / "systemd"
-LOGROTATE = DEPLOY / "logrotate" / "hpc-bridge"
 HPC_BRIDGE = REPO / ".venv" / "bin" / "hpc-bridge"
 
 RODAN_SECRET = "Rodan-Pw-5d8e1c7a40"
@@ -44,9 +42,8 @@ ASSIGNMENT = re.compile(r"^(#\s?)?((?:HPC|RODAN|RABBITMQ)_[A-Z0-9_]+)=(.*)$")
 
 
 def _settings_in_config_source() -> set[str]:
-    """Every "HPC_X" / "RODAN_X" / "RABBITMQ_X" string literal in bridge/config.py."""
-    text = CONFIG_SOURCE.read_text()
-    return set(re.findall(r"""["']((?:HPC|RODAN|RABBITMQ)_[A-Z0-9_]+)["']""", text))
+    """Every setting bridge/config.py reads (the names it also accepts in a credentials file)."""
+    return set(known_keys())
 
 
 def _assignments() -> dict[str, tuple[bool, str]]:
@@ -70,14 +67,25 @@ def _private_copy(tmp_path: Path, text: str, name: str = "credentials.env") -> P
 # --- credentials.env.example ------------------------------------------------------
 
 
-def test_example_loads_with_its_placeholders(tmp_path: Path) -> None:
+def _filled_in(text: str) -> str:
+    """The example with its placeholders replaced, as an operator leaves it."""
+    return text.replace("CHANGE_ME", "set")
+
+
+def test_example_names_every_placeholder_left_in_one_run(tmp_path: Path) -> None:
     path = _private_copy(tmp_path, EXAMPLE.read_text())
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, environ={})
+    left = {problem.split()[0] for problem in caught.value.problems if "CHANGE_ME" in problem}
+    assert left == REQUIRED
+
+
+def test_example_loads_once_its_placeholders_are_filled_in(tmp_path: Path) -> None:
+    path = _private_copy(tmp_path, _filled_in(EXAMPLE.read_text()))
     config = load_config(path, environ={})
-    assert "CHANGE_ME" in config.broker_url
     assert config.broker_url.startswith("amqps://")
-    assert "CHANGE_ME" in config.rodan_host and config.rodan_scheme == "https"
-    assert "CHANGE_ME" in config.rodan_user and config.rodan_email == config.rodan_user
-    assert config.rodan_password == "CHANGE_ME"
+    assert config.rodan_scheme == "https" and config.rodan_email == config.rodan_user
+    assert config.rodan_password == "set"
     assert config.credentials_file == path.resolve()
 
 
@@ -119,7 +127,7 @@ def test_required_settings_are_uncommented_placeholders_and_really_required(tmp_
 
 def test_documented_defaults_are_config_py_defaults(tmp_path: Path) -> None:
     """Uncommenting every optional line (its documented default) must change nothing."""
-    text = EXAMPLE.read_text()
+    text = _filled_in(EXAMPLE.read_text())
     uncommented = "\n".join(
         line[2:] if ASSIGNMENT.match(line) and line.startswith("# ") else line for line in text.splitlines()
     )
@@ -332,106 +340,152 @@ def test_run_check_passes_bash_n_and_shellcheck() -> None:
     assert result.returncode == 0, result.stdout
 
 
-# --- cron -----------------------------------------------------------------------------
+# --- run_check: mail only when something changes ----------------------------------------
 
 
-def test_crontab_example_runs_run_check_every_5_minutes() -> None:
-    lines = [
-        line
-        for line in (DEPLOY / "cron" / "crontab.example").read_text().splitlines()
-        if line.strip() and not line.startswith("#")
-    ]
-    assert any(line.startswith("MAILTO=") for line in lines)
-    entries = [line for line in lines if not line.startswith("MAILTO=")]
-    assert len(entries) == 1
-    assert re.fullmatch(r"\*/5 \* \* \* \* /\S+/deploy/run_check", entries[0])
-    assert ">>" not in entries[0], "run_check logs by itself; a redirect would hide failures from MAILTO"
+def _state(world: CronWorld) -> list[int]:
+    """run_check.state next to the log: exit status, since, last reported, failed runs in a row."""
+    return [int(word) for word in world.log.with_suffix(".state").read_text().split()]
 
 
-# --- systemd --------------------------------------------------------------------------
-
-
-def _unit(name: str) -> configparser.ConfigParser:
-    parser = configparser.ConfigParser(interpolation=None, strict=True, comment_prefixes=("#", ";"))
-    parser.optionxform = str  # type: ignore[assignment,method-assign]
-    parser.read_string((SYSTEMD / name).read_text())
-    return parser
-
-
-def test_systemd_units_parse_and_run_the_right_commands() -> None:
-    daemon = _unit("hpc-bridge.service")["Service"]
-    assert daemon["Type"] == "simple"
-    assert re.fullmatch(r"\S+/hpc-bridge --credentials %h/hpc-bridge/credentials\.env run", daemon["ExecStart"])
-    assert daemon["Restart"] == "on-failure" and daemon["RestartSec"] == "5"
-    assert daemon["KillSignal"] == "SIGTERM" and daemon["TimeoutStopSec"] == "60"
-    assert daemon["NoNewPrivileges"] == "yes"
-    assert _unit("hpc-bridge.service")["Install"]["WantedBy"] == "default.target"
-
-    check = _unit("hpc-bridge-check.service")["Service"]
-    assert check["Type"] == "oneshot"
-    assert re.fullmatch(r"\S+/hpc-bridge --credentials %h/hpc-bridge/credentials\.env check", check["ExecStart"])
-
-    timer = _unit("hpc-bridge-check.timer")["Timer"]
-    assert timer["OnCalendar"] == "*:0/5" and timer["Persistent"] == "true"
-    assert timer["Unit"] == "hpc-bridge-check.service"
-
-    for name in ("hpc-bridge.service", "hpc-bridge-check.service"):
-        service = _unit(name)["Service"]
-        assert "EnvironmentFile" not in service, "secrets go through --credentials, never the unit"
-        # sbatch needs /etc/slurm and munge's socket: no filesystem sandboxing.
-        for option in ("ProtectSystem", "ProtectHome", "PrivateTmp", "PrivateDevices", "PrivateNetwork"):
-            assert option not in service, f"{name}: {option} would break sbatch or the user unit"
-
-
-def test_systemd_analyze_verify(tmp_path: Path) -> None:
-    if shutil.which("systemd-analyze") is None:
-        pytest.skip("systemd-analyze is not installed (the units were parsed with configparser)")
-    names = ["hpc-bridge.service", "hpc-bridge-check.service", "hpc-bridge-check.timer"]
-    for name in names:
-        # verify checks that ExecStart's program exists: point it at this checkout's venv.
-        text = (SYSTEMD / name).read_text().replace("%h/hpc-bridge/.venv/bin/hpc-bridge", str(HPC_BRIDGE))
-        (tmp_path / name).write_text(text)
-    result = subprocess.run(
-        ["systemd-analyze", "verify", *names], cwd=tmp_path, capture_output=True, text=True, timeout=60
+def _healthy(world: CronWorld, broker_url: str, queues: Queues) -> None:
+    """Point the credentials at the real broker, with this test's own queues."""
+    world.credentials.write_text(
+        f"RABBITMQ_URL={broker_url}\n"
+        "RODAN_HOST=127.0.0.1:9\n"
+        "RODAN_SCHEME=http\n"
+        "RODAN_USER=x@example.org\n"
+        f"RODAN_PASSWORD={RODAN_SECRET}\n"
+        f"HPC_SPOOL_DIR={world.spool}\n"
+        f"HPC_REQUEST_QUEUE={queues.request}\n"
+        f"HPC_REPLY_QUEUE={queues.reply}\n"
+        f"HPC_DEAD_LETTER_QUEUE={queues.dead}\n"
     )
-    assert result.returncode == 0, result.stderr
-    complaints = [line for line in (result.stdout + result.stderr).splitlines() if "hpc-bridge" in line]
-    assert not complaints, complaints
 
 
-# --- logrotate ------------------------------------------------------------------------
+@pytest.mark.broker
+def test_run_check_reports_a_change_of_exit_status_once(world: CronWorld, broker_url: str, queues: Queues) -> None:
+    # A broker outage: the first failed run is reported, the next ones (within the hour) are not.
+    first = _run_check(world)
+    assert first.returncode == 1
+    assert "exit status 1" in first.stderr and "broker_unavailable" in first.stderr
+    for _ in range(2):
+        again = _run_check(world)
+        assert again.returncode == 1  # still visible to monitoring
+        assert again.stdout == "" and again.stderr == ""
+    assert _state(world)[0] == 1 and _state(world)[3] == 3
+    assert [e.get("notified") for e in _events(world.log) if e["event"] == "run_check_done"] == [
+        "change", "none", "none"
+    ]  # fmt: skip
+
+    # The broker is back: one "recovered" note, then silence again.
+    _healthy(world, broker_url, queues)
+    recovered = _run_check(world)
+    assert recovered.returncode == 0, recovered.stderr
+    assert recovered.stdout == ""
+    assert "recovered" in recovered.stderr and "3 run(s) in a row" in recovered.stderr
+    assert "exit status 1" in recovered.stderr
+    quiet = _run_check(world)
+    assert quiet.returncode == 0 and quiet.stdout == "" and quiet.stderr == ""
+    assert _state(world)[0] == 0
+
+    # A different failure is a change too: 0 -> 2 (configuration), then 2 -> 1 (broker).
+    world.credentials.chmod(0o644)
+    bad_mode = _run_check(world)
+    assert bad_mode.returncode == 2 and "chmod 600" in bad_mode.stderr
+    world.credentials.chmod(0o600)
+    world.credentials.write_text(world.credentials.read_text().replace(broker_url, "amqp://guest:x@127.0.0.1:9/%2F"))
+    broker_down = _run_check(world)
+    assert broker_down.returncode == 1 and "exit status 1" in broker_down.stderr
+    _assert_no_secret(world.log.read_text(), *(r.stderr for r in (first, recovered, bad_mode, broker_down)))
 
 
-def test_logrotate_config_rotates_privately(tmp_path: Path) -> None:
-    text = LOGROTATE.read_text()
-    for directive in ("rotate 14", "compress", "delaycompress", "missingok", "notifempty", "copytruncate"):
-        assert re.search(rf"^\s+{directive}$", text, re.M), directive
-    assert re.search(r"^\s+(daily|size 50M)$", text, re.M)
-    assert re.search(r"^\s+create 0600$", text, re.M)
-    if shutil.which("logrotate") is None and not Path("/usr/sbin/logrotate").exists():
-        pytest.skip("logrotate is not installed (apt-get install -y logrotate)")
-    logrotate = shutil.which("logrotate") or "/usr/sbin/logrotate"
+def test_run_check_reminds_hourly_while_the_failure_lasts(world: CronWorld) -> None:
+    first = _run_check(world)
+    assert first.returncode == 1 and first.stderr
+    since = _state(world)[1]
+    # The last report was an hour and a bit ago: this failed run is reported again, as a reminder.
+    world.log.with_suffix(".state").write_text(f"1 {since} {since - 3700} 7\n")
+    reminder = _run_check(world)
+    assert reminder.returncode == 1
+    assert "still failing since" in reminder.stderr and "8 run(s) in a row" in reminder.stderr
+    assert "broker_unavailable" in reminder.stderr  # with this run's lines
+    status, kept_since, reported, failures = _state(world)
+    assert (status, kept_since, failures) == (1, since, 8) and reported > since - 3700
+    # Reported just now: the next failed run is quiet again.
+    assert _run_check(world).stderr == ""
+    # HPC_BRIDGE_REMIND_S=0: every failed run is reported.
+    assert "still failing" in _run_check(world, HPC_BRIDGE_REMIND_S="0").stderr
 
-    logs = tmp_path / "logs"
-    logs.mkdir(mode=0o700)
-    conf = tmp_path / "logrotate.conf"
-    conf.write_text(text.replace("/home/USERNAME/hpc-bridge/logs", str(logs)))
-    assert str(logs / "run_check.log") in conf.read_text() and str(logs / "bridge.log") in conf.read_text()
-    state = tmp_path / "state"
 
-    dry = subprocess.run([logrotate, "-d", "-s", str(state), str(conf)], capture_output=True, text=True)
-    assert dry.returncode == 0, dry.stderr
-    assert "error" not in (dry.stdout + dry.stderr).lower(), dry.stderr
+def test_run_check_treats_an_unreadable_state_as_a_success_before(world: CronWorld) -> None:
+    world.log.parent.mkdir(mode=0o700)
+    world.log.with_suffix(".state").write_text("garbage\n")
+    result = _run_check(world)
+    assert result.returncode == 1 and "exit status 1" in result.stderr
+    assert _state(world)[0] == 1
 
-    live = logs / "run_check.log"
-    live.write_text('{"event": "check_start"}\n')
-    live.chmod(0o600)
-    forced = subprocess.run([logrotate, "-f", "-s", str(state), str(conf)], capture_output=True, text=True)
-    assert forced.returncode == 0, forced.stderr
-    rotated = logs / "run_check.log.1"
-    assert rotated.read_text() == '{"event": "check_start"}\n'  # delaycompress: newest copy stays plain
-    assert stat.S_IMODE(rotated.stat().st_mode) == 0o600
-    assert live.stat().st_size == 0 and stat.S_IMODE(live.stat().st_mode) == 0o600  # copytruncate
+
+def test_run_check_lock_busy_says_nothing_and_keeps_the_state(world: CronWorld) -> None:
+    assert _run_check(world).returncode == 1
+    before = world.log.with_suffix(".state").read_text()
+    Spool(world.spool).ensure()
+    fd = os.open(world.spool / "bridge.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # hpc-bridge finds the spool taken (before it tries the broker) and exits 0: that run is
+        # no news, neither a recovery nor a failure.
+        busy = _run_check(world)
+    finally:
+        os.close(fd)
+    assert busy.returncode == 0 and busy.stdout == "" and busy.stderr == ""
+    assert world.log.with_suffix(".state").read_text() == before
+    assert _events(world.log)[-1].get("lock_busy") is True
+
+
+def test_run_check_leaves_at_once_while_the_previous_one_runs(world: CronWorld) -> None:
+    world.log.parent.mkdir(mode=0o700)
+    with world.log.open("a") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)  # what a running run_check holds
+        result = _run_check(world)
+    assert result.returncode == 0 and result.stdout == "" and result.stderr == ""
+    assert [e["event"] for e in _events(world.log)] == ["run_check_busy"]
+    assert not world.log.with_suffix(".state").exists()
+
+
+def test_run_check_runs_the_hpc_bridge_named_by_hpc_bridge_exe(world: CronWorld, tmp_path: Path) -> None:
+    empty = tmp_path / "empty-install"
+    (empty / "deploy").mkdir(parents=True)
+    shutil.copy2(RUN_CHECK, empty / "deploy" / "run_check")
+    env = world.env(HPC_BRIDGE_CREDENTIALS=str(world.credentials), HPC_BRIDGE_EXE=str(HPC_BRIDGE))
+    result = _run([str(empty / "deploy" / "run_check")], env, world.home)
+    assert result.returncode == 1  # hpc-bridge ran: the broker is unreachable
+    assert "broker_unavailable" in (empty / "logs" / "run_check.log").read_text()
+    env["HPC_BRIDGE_EXE"] = str(tmp_path / "nothing-here")
+    missing = _run([str(empty / "deploy" / "run_check")], env, world.home)
+    assert missing.returncode == 127 and "HPC_BRIDGE_EXE" in missing.stderr
+
+
+# --- one schedule everywhere ------------------------------------------------------------------
+
+
+def test_every_schedule_is_one_pass_a_minute() -> None:
+    """cron, scrontab, the systemd timer and every doc show the same schedule: every minute."""
+    cron = (DEPLOY / "cron" / "crontab").read_text()
+    scron = (DEPLOY / "cron" / "scrontab").read_text()
+    for text in (cron, scron):
+        entries = [line for line in text.splitlines() if line.strip() and not line.startswith(("#", "${"))]
+        assert entries == ["* * * * * ${command}"], entries
+    assert re.search(r"^OnCalendar=\*-\*-\* \*:\*:00$", (SYSTEMD / "hpc-bridge-check.timer").read_text(), re.M)
+    texts = [REPO / "README.md", *(REPO / "docs").glob("*.md"), *DEPLOY.rglob("*"), *(REPO / "bridge").rglob("*.py")]
+    offenders = []
+    for path in texts:
+        if not path.is_file() or "dev" in path.relative_to(REPO).parts:
+            continue
+        text = path.read_text(errors="replace")
+        for pattern in (r"\*/5(?!\d)", r"\*:0/5", r"pass(es)? every (5|five) minutes"):
+            offenders += [f"{path.relative_to(REPO)}: {m.group(0)!r}" for m in re.finditer(pattern, text)]
+    assert not offenders, f"still a pass every 5 minutes: {offenders}"
 
 
 # --- deploy/README.md and the template link ---------------------------------------------
@@ -451,7 +505,9 @@ def test_deploy_readme_lists_every_deploy_file() -> None:
     for path in (
         "run_check",
         "site-env.sh",
-        "cron/crontab.example",
+        "cron/crontab",
+        "cron/crontab-logrotate",
+        "cron/scrontab",
         "systemd/hpc-bridge.service",
         "systemd/hpc-bridge-check.service",
         "systemd/hpc-bridge-check.timer",
@@ -465,5 +521,26 @@ def test_deploy_readme_lists_every_deploy_file() -> None:
         "bridge/schedulers/templates/",
     ):
         assert path in readme, path
-    for path in ("run_check", "cron/crontab.example", "logrotate/hpc-bridge", "systemd/README.md"):
+    for path in ("run_check", "cron/crontab", "logrotate/hpc-bridge", "systemd/README.md"):
         assert (DEPLOY / path).is_file(), path
+    assert "hpc-bridge install" in readme
+
+
+@pytest.mark.parametrize(
+    ("link", "name"),
+    [
+        ("systemd/hpc-bridge.service", "hpc-bridge.service"),
+        ("systemd/hpc-bridge-check.service", "hpc-bridge-check.service"),
+        ("systemd/hpc-bridge-check.timer", "hpc-bridge-check.timer"),
+        ("logrotate/hpc-bridge", "logrotate"),
+        ("cron/crontab", "crontab"),
+        ("cron/crontab-logrotate", "crontab-logrotate"),
+        ("cron/scrontab", "scrontab"),
+    ],
+)
+def test_deploy_files_are_the_install_templates(link: str, name: str) -> None:
+    """One source: deploy/'s cron, systemd and logrotate files are links to what `hpc-bridge install` renders."""
+    path = DEPLOY / link
+    assert path.is_symlink()
+    assert path.resolve() == (REPO / "bridge" / "ops" / "templates" / name).resolve()
+    assert "${" in path.read_text()

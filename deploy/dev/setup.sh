@@ -61,15 +61,27 @@ else
 fi
 
 # --- tools the tests use (shellcheck on run_check, logrotate -d on its config, openssl for the TLS test,
-# cron for the operator guide's deployment, started by deploy/dev/follow_guide.py)
+# cron for the operator guide's deployment, started by deploy/dev/follow_guide.py, systemd-analyze to
+# verify the units `hpc-bridge install systemd` writes)
 missing=()
-for pkg in shellcheck logrotate openssl cron; do
+for pkg in shellcheck logrotate openssl cron systemd; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing+=("$pkg")
 done
 if [ ${#missing[@]} -gt 0 ]; then
     say "installing ${missing[*]}"
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+# promtool checks and unit-tests deploy/monitoring's alert rules. Only the binary: the prometheus
+# package would also start a server.
+if ! command -v promtool >/dev/null; then
+    say "installing promtool (from Debian's prometheus package, binary only)"
+    promdir=$(mktemp -d)
+    (cd "$promdir" && { apt-get download -qq prometheus >/dev/null 2>&1 \
+        || { apt-get update -qq && apt-get download -qq prometheus >/dev/null; }; } && dpkg-deb -x prometheus_*.deb x) \
+        && install -m 0755 "$promdir/x/usr/bin/promtool" /usr/local/bin/promtool
+    rm -rf "$promdir"
 fi
 
 # --- Slurm ---------------------------------------------------------------------------
