@@ -3,7 +3,7 @@
 Rules this module keeps:
 * Rodan's queues are declared exactly as Rodan declares them (server defaults),
   so a declaration never fails with 406 PRECONDITION_FAILED.
-* Our own topology (the dead-letter queue) uses other names and is durable.
+* Our own topology (the dead-letter and status queues) uses other names and is durable.
 * Every publish waits for the broker's confirm, with ``mandatory`` set, so an
   unroutable or refused message is an exception, never a silent loss.
 * A connection is used by one thread only (pika is not thread-safe).
@@ -75,10 +75,16 @@ def declare_rodan_queue(channel: BlockingChannel, name: str) -> int:
     return int(frame.method.message_count)
 
 
-def declare_own_queue(channel: BlockingChannel, name: str) -> int:
-    """A durable queue of our own (dead letters)."""
-    frame = channel.queue_declare(queue=name, durable=True)
+def declare_own_queue(channel: BlockingChannel, name: str, arguments: Mapping[str, object] | None = None) -> int:
+    """A durable queue of our own (dead letters, status); return its depth."""
+    frame = channel.queue_declare(queue=name, durable=True, arguments=dict(arguments) if arguments else None)
     return int(frame.method.message_count)
+
+
+def queue_counts(channel: BlockingChannel, name: str) -> tuple[int, int]:
+    """(ready messages, consumers) of an existing queue (a passive declare: 404 closes the channel)."""
+    frame = channel.queue_declare(queue=name, passive=True)
+    return int(frame.method.message_count), int(frame.method.consumer_count)
 
 
 def publish(
@@ -91,6 +97,8 @@ def publish(
     headers: Mapping[str, object] | None = None,
     persistent: bool = False,
     expiration_ms: int | None = None,
+    content_type: str | None = None,
+    message_type: str | None = None,
 ) -> None:
     """Publish to the default exchange and wait for the broker's confirm.
 
@@ -105,6 +113,8 @@ def publish(
         headers=dict(headers) if headers else None,
         delivery_mode=pika.DeliveryMode.Persistent if persistent else None,
         expiration=str(expiration_ms) if expiration_ms is not None else None,
+        content_type=content_type,
+        type=message_type,
     )
     try:
         channel.basic_publish(exchange="", routing_key=routing_key, body=body, properties=properties, mandatory=True)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pika
 import pytest
 
 from tests.conftest import FAST_SETTINGS, REPO, bridge_environ, cancel_spool_jobs, jobs_named, wait_until
@@ -146,4 +147,52 @@ def test_heartbeats_are_serviced_while_rodan_is_slow(daemon_env, rodan, sample_i
         assert rodan.depth(queues.request) == 0
         assert len(jobs_named(f"rodan-{corr}")) == 1
     finally:
+        assert daemon.stop() == 0
+
+
+def _consumers(broker_url: str, queue: str) -> int:
+    """How many consumers the broker counts on ``queue`` (what its management page shows)."""
+    connection = pika.BlockingConnection(pika.URLParameters(broker_url))
+    try:
+        return int(connection.channel().queue_declare(queue, passive=True).method.consumer_count)
+    finally:
+        connection.close()
+
+
+def test_the_daemon_is_a_consumer_on_the_request_queue(daemon_env, broker_url, queues, rodan, sample_inputs):
+    env, log, spool = daemon_env
+    daemon = Daemon(env, log, spool)
+    try:
+        assert _consumers(broker_url, queues.request) == 1, "RabbitMQ shows the daemon as a consumer"
+        corr = rodan.publish_request(sample_inputs("new", n_layers=1), SETTINGS)
+        wait_until(lambda: daemon.state(corr) in ("submitted", "replied"), 15, 0.05, "pickup")
+        assert rodan.depth(queues.request) == 0
+        assert _consumers(broker_url, queues.request) == 1
+    finally:
+        assert daemon.stop() == 0
+    assert _consumers(broker_url, queues.request) == 0, "and none once it has stopped"
+
+
+def test_a_deferred_request_does_not_hold_up_the_ones_behind_it(
+    daemon_env, broker_url, queues, rodan, sample_inputs, standin
+):
+    """A deferred request is held unacked until its retry time; with a prefetch of 1 it would stop
+    every later delivery, so the consumer is restarted: the next request is taken at once."""
+    env, log, spool = daemon_env
+    stuck_page = sample_inputs("new", n_layers=1, seed=11)
+    standin.fail_next(100000, status=503, paths=stuck_page["Image"])  # this request's input check fails
+    daemon = Daemon({**env, "HPC_RODAN_RETRIES": "0"}, log, spool)
+    try:
+        stuck = rodan.publish_request(stuck_page, SETTINGS)
+        wait_until(lambda: daemon.events("request_deferred"), 30, 0.05, "the first request to be deferred")
+        behind = rodan.publish_request(sample_inputs("new", n_layers=1, seed=12), SETTINGS)
+        wait_until(lambda: daemon.state(behind) in ("submitted", "replied"), 30, 0.1, "the request behind it")
+        assert daemon.state(stuck) == "received", "the first one is still waiting for its retry"
+        assert _consumers(broker_url, queues.request) == 1
+        standin.clear_faults()
+        wait_until(lambda: daemon.state(stuck) in ("submitted", "replied"), 60, 0.2, "the retry")
+        assert len(jobs_named(f"rodan-{stuck}")) == 1 and len(jobs_named(f"rodan-{behind}")) == 1
+        wait_until(lambda: rodan.depth(queues.request) == 0, 10, 0.1, "the queue to be empty")
+    finally:
+        standin.clear_faults()
         assert daemon.stop() == 0
