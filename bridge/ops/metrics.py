@@ -3,11 +3,16 @@
 Written atomically to ``HPC_METRICS_FILE`` (mode 0644, for node_exporter's textfile collector)
 at the end of every ``check`` pass and every reconciliation of ``run``. No client library is
 needed: the text format is simple enough to write by hand.
+
+node_exporter runs as a user of its own, in no lab's group, so the file is world-readable (it
+holds counts, no names and no secrets), and the folders the bridge makes for it are 0755, also
+under cron's ``umask 077``. A folder that exists already is left as it is: the operator's to open.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -18,6 +23,7 @@ from bridge.ledger import RequestRecord, RequestState
 from bridge.schedulers import gridengine, slurm
 from bridge.schedulers.base import JobState
 from bridge.spool import Spool, atomic_write
+from bridge.version import package_version
 
 #: Request states as operators see them (``hpc-bridge status --state``), in lifecycle order.
 STATES: tuple[str, ...] = (
@@ -166,6 +172,13 @@ def render(
         lines.append(f'hpc_bridge_jobs{{state="{job_state}"}} {jobs[job_state]}')
     family("hpc_bridge_outbox_replies", "gauge", "Replies staged on disk and not yet published.")
     lines.append(f"hpc_bridge_outbox_replies {outbox}")
+    clock = now if now is not None else time.time()
+    family("hpc_bridge_oldest_open_request_age_seconds", "gauge", "Age of the oldest unanswered request (0: none).")
+    open_since = [r.created_at for r in items if not r.state.is_final]
+    oldest = max(0.0, clock - min(open_since)) if open_since else 0.0
+    lines.append(f"hpc_bridge_oldest_open_request_age_seconds {_fmt(round(oldest, 3))}")
+    family("hpc_bridge_build_info", "gauge", "Always 1; the version label is the bridge's package version.")
+    lines.append(f'hpc_bridge_build_info{{version="{package_version()}"}} 1')
     if reconciliations is not None:
         family("hpc_bridge_reconciliations_total", "counter", "Reconciliation runs by this bridge process.")
         lines.append(f"hpc_bridge_reconciliations_total {reconciliations}")
@@ -173,7 +186,7 @@ def render(
         family("hpc_bridge_broker_reconnects_total", "counter", "Broker connections lost and retried by this process.")
         lines.append(f"hpc_bridge_broker_reconnects_total {broker_reconnects}")
     family("hpc_bridge_metrics_timestamp_seconds", "gauge", "When these metrics were written (Unix time).")
-    lines.append(f"hpc_bridge_metrics_timestamp_seconds {_fmt(round(now if now is not None else time.time(), 3))}")
+    lines.append(f"hpc_bridge_metrics_timestamp_seconds {_fmt(round(clock, 3))}")
     return "\n".join(lines) + "\n"
 
 
@@ -182,4 +195,16 @@ def write_metrics(
 ) -> None:
     """Replace ``path`` atomically with the current metrics (0644: node_exporter reads it)."""
     text = render(records, outbox=outbox, reconciliations=reconciliations, broker_reconnects=broker_reconnects)
+    make_readable_folder(path.parent)
     atomic_write(path, text.encode("utf-8"), mode=0o644)
+
+
+def make_readable_folder(folder: Path) -> None:
+    """Make ``folder`` and its missing parents, each 0755 whatever the umask; an existing one stays."""
+    missing: list[Path] = []
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    for directory in reversed(missing):
+        directory.mkdir(exist_ok=True)
+        os.chmod(directory, 0o755)  # noqa: S103 - node_exporter (another user) must reach the file
