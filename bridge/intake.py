@@ -31,8 +31,9 @@ import pika
 import structlog
 from pika.spec import Basic
 
+from bridge.active import ActiveJobs
 from bridge.config import BridgeConfig
-from bridge.errors import PermanentError, RodanAuthError, SchedulerRejected, TransientError
+from bridge.errors import PermanentError, RodanAuthError, SchedulerRejected, SubmitLimitReached, TransientError
 from bridge.faults import fault_point
 from bridge.ledger import Ledger, RequestRecord, RequestState
 from bridge.protocol import JobRequest, bounded, error_reply, parse_request
@@ -40,6 +41,7 @@ from bridge.replies import ReplyBox
 from bridge.rodan import RodanClient
 from bridge.schedulers import JobSpec, Scheduler
 from bridge.spool import Spool, atomic_write, atomic_write_json
+from bridge.version import package_version, pinned_worker_python
 
 log = structlog.get_logger(__name__)
 
@@ -103,6 +105,7 @@ class Decision:
     outcome: Outcome
     reason: str = ""
     record: RequestRecord | None = None
+    retry_in_s: float = 0.0  # DEFERRED: give the message back after this long (0: the runner's backoff)
 
 
 class Intake:
@@ -123,6 +126,7 @@ class Intake:
         self.replies = replies
         self._token = ""
         self._token_at = 0.0
+        self.active = ActiveJobs(ledger, config.max_active_jobs)  # HPC_MAX_ACTIVE_JOBS
 
     def process(self, msg: Message) -> Decision:
         """Decide one message. Raises only when the spool cannot be written (the runner defers it)."""
@@ -201,6 +205,8 @@ class Intake:
             )
             record.generation = request.generation.value
             log.info("request_valid", generation=request.generation.value, layers=len(request.layers))
+            if self.active.full():
+                return self._wait_for_room(record)
             token = self._get_token()
             self._check_inputs(request.inputs)
             job_id = self._submit(request, record, token)
@@ -212,19 +218,26 @@ class Intake:
             now = time.time()
             record.attempts += 1
             record.reason = bounded(str(exc))
-            record.deferred_since = record.deferred_since or now
-            waited = now - record.deferred_since
+            # A submit limit that the bridge's own jobs hold is waited out, without the HPC_DEFER_LIMIT
+            # clock: they end and make room. Held by other jobs of the account (or a limit of 0), bounded.
+            at_limit = isinstance(exc, SubmitLimitReached)
+            own_limit = at_limit and self.active.count() > 0
+            record.deferred_since = 0.0 if own_limit else (record.deferred_since or now)
+            waited = now - record.deferred_since if record.deferred_since else 0.0
             if waited >= self.config.defer_limit_s:
                 return self._reject(
                     record,
                     f"gave up after retrying for {_minutes(waited)} ({record.attempts} attempts, "
                     f"HPC_DEFER_LIMIT): {exc}",
                 )
-            if record.state is not RequestState.SUBMITTING:
-                record.state = RequestState.RECEIVED
+            if record.state is not RequestState.SUBMITTING or at_limit:
+                record.state = RequestState.RECEIVED  # a submit limit's refusal made no job: nothing to look up
             record.deliveries = 0  # this delivery is settled: the save that ends it clears the count
             self.ledger.save(record)
-            log.warning("request_deferred", error=record.reason, attempts=record.attempts, waited_s=round(waited, 1))
+            limit = {"submit_limit": True, "active_jobs": self.active.count()} if at_limit else {}
+            log.warning(
+                "request_deferred", error=record.reason, attempts=record.attempts, waited_s=round(waited, 1), **limit
+            )
             return Decision(Outcome.DEFERRED, record.reason, record)
         log.info("request_submitted", job_id=job_id, scheduler=self.scheduler.name)
         return Decision(Outcome.SUBMITTED, record=record)
@@ -291,6 +304,7 @@ class Intake:
         record.deferred_since = 0.0
         record.deliveries = 0
         self.ledger.save(record)
+        self.active.submitted()
         fault_point("after_record")
         structlog.contextvars.bind_contextvars(job_id=job_id)
         return job_id
@@ -309,10 +323,21 @@ class Intake:
             account=self.config.account,
             partition=self.config.partition,
             warn_seconds=self.config.warn_seconds_for(s.max_time_minutes),
+            continue_by=self.config.slurm_continue,  # HPC_SLURM_CONTINUE (Grid Engine: always a successor)
             extra_args=self.config.scheduler_args,
+            directives=self.config.job_directives,  # HPC_JOB_DIRECTIVES
+            prologue=self.config.job_prologue,  # HPC_JOB_PROLOGUE
             log_dir=job_dir,
             workdir=job_dir,
-            command=(self.config.worker_python, "-m", "worker", "run", str(self.spool.params_path(key))),
+            # The environment's directories resolved now: an upgrade that switches a symlink later
+            # leaves this job, and the jobs it continues in, on the environment it was submitted with.
+            command=(
+                pinned_worker_python(self.config.worker_python),
+                "-m",
+                "worker",
+                "run",
+                str(self.spool.params_path(key)),
+            ),
         )
 
     def _parameters(self, request: JobRequest, token: str, spec: JobSpec, script: Path) -> dict[str, object]:
@@ -332,6 +357,7 @@ class Intake:
             "broker": {"url": self.config.broker_url, "ca_file": self.config.broker_ca_file},
             "spool": str(self.spool.root),
             "runs_dir": str(self.config.runs_dir or self.spool.root / "runs"),
+            "runs_shared": self.config.runs_shared,  # "group": run directories 0750/0640 (worker/trainer/rundir.py)
             "save_optimizer": self.config.save_optimizer,
             "mixed_precision": self.config.mixed_precision,
             "seed": self.config.training_seed,
@@ -357,7 +383,20 @@ class Intake:
             },
             "created_at": time.time(),
             "bridge_pid": os.getpid(),
+            "bridge_version": package_version(),  # the worker warns when its own differs
         }
+
+    def _wait_for_room(self, record: RequestRecord) -> Decision:
+        """``HPC_MAX_ACTIVE_JOBS`` jobs are active: the request waits in the queue until one ends. Not a
+        failure: no attempt is counted and the ``HPC_DEFER_LIMIT`` clock does not run."""
+        record.state = RequestState.RECEIVED  # no job of its own exists (looked up above when SUBMITTING)
+        record.reason = (
+            f"waiting for a job to end: {self.active.count()} of HPC_MAX_ACTIVE_JOBS={self.active.cap} active"
+        )
+        record.deferred_since = 0.0
+        record.deliveries = 0
+        self.ledger.save(record)
+        return Decision(Outcome.DEFERRED, record.reason, record, retry_in_s=self.config.reconcile_interval_s)
 
     def _adopt_existing_job(self, record: RequestRecord) -> bool:
         """After a crash between submit and record: is the job already at the scheduler?"""

@@ -25,6 +25,7 @@ ALL_CHECKS = [
     "scheduler",
     "scheduler-accounting",
     "spool",
+    "spool-lock",
     "spool-shared",
     "template",
     "worker",
@@ -334,3 +335,21 @@ def test_grid_engine_not_answering(tmp_path: Path, deployment: dict[str, str], h
     # Only the scheduler failed: the rest of the deployment is judged as healthy.
     assert [name for name, c in checks.items() if c["status"] == "FAIL"] == ["scheduler"]
     assert checks["scheduler-accounting"]["status"] == "skip"  # qacct needs the cell that was not found
+
+
+def test_settings_lists_every_problem_and_typo(tmp_path: Path, deployment: dict[str, str]) -> None:
+    settings = dict(deployment, HPC_SCHEDULER="pbs", HPC_SCHEDULAR="slurm", HPC_DRAIN_BATCH="0")
+    rc, _, checks = doctor(tmp_path, settings, "--json", "--skip-worker")
+    assert rc == 1
+    found = checks["settings"]["found"]
+    assert found.startswith("3 problems:"), found
+    assert "HPC_SCHEDULER must be" in found and "did you mean HPC_SCHEDULER?" in found
+    assert "HPC_DRAIN_BATCH must be at least 1" in found
+
+
+def test_a_short_password_in_unrelated_script_text_is_not_a_leak(tmp_path: Path, deployment: dict[str, str]) -> None:
+    """The sample script asks for --gres=gpu:1; a Rodan password "gpu" is not leaked by that."""
+    settings = dict(deployment, RODAN_PASSWORD="gpu", HPC_GPU_RULES="gpu:1")
+    _, output, checks = doctor(tmp_path, settings, "--json", "--skip-worker")
+    assert checks["template"]["status"] == "ok", checks["template"]
+    assert checks["rodan"]["status"] == "FAIL"  # the stand-in knows another password: the check is real

@@ -46,10 +46,12 @@ def test_following_the_operator_guide_gives_a_working_cron_deployment(
         "RODAN_SCHEME": "http",
         "RODAN_USER": RODAN_EMAIL,
         "RODAN_PASSWORD": RODAN_PASSWORD,
-        "HPC_WORKER_PYTHON": f"/home/{USER}/hpc-bridge/worker-venv/bin/python",
+        "HPC_WORKER_PYTHON": f"/home/{USER}/hpc-bridge/envs/current/bin/python",
         "HPC_LOG_FILE": "~/hpc-bridge/logs/bridge.log",
         "HPC_METRICS_FILE": "~/hpc-bridge/metrics/hpc_bridge.prom",
         "HPC_SCHEDULER": "slurm",
+        # The dev cluster's GPUs are fake: TensorFlow sees none, and `doctor --job` would rightly say so.
+        "HPC_GPU_RULES": "none",
         # Not in the guide's table: this test's own queues, so that it shares the broker safely.
         "HPC_REQUEST_QUEUE": queues.request,
         "HPC_REPLY_QUEUE": queues.reply,
@@ -63,6 +65,8 @@ def test_following_the_operator_guide_gives_a_working_cron_deployment(
         assert followed.returncode == 0, followed.stdout[-6000:] + followed.stderr[-2000:]
         out = followed.stdout
         assert "doctor" in out and "FAIL" not in out, out[-4000:]
+        for check in ("probe-job", "node-spool", "node-worker", "node-rodan", "node-continue"):
+            assert f"ok   {check}:" in out, out[-4000:]  # doctor --job, from a compute node
 
         # What the guide built, as the guide says.
         credentials = home / "hpc-bridge" / "credentials.env"
@@ -71,7 +75,8 @@ def test_following_the_operator_guide_gives_a_working_cron_deployment(
         values = [line for line in credentials.read_text().splitlines() if not line.startswith("#")]
         assert not [line for line in values if "CHANGE_ME" in line]  # every placeholder replaced
         crontab = _as_user("crontab -l").stdout
-        assert f"* * * * * {home}/hpc-bridge/deploy/run_check" in crontab.splitlines()
+        entry = f"* * * * * HPC_BRIDGE_CREDENTIALS={credentials} {home}/hpc-bridge/deploy/run_check"
+        assert entry in crontab.splitlines(), crontab
         assert any("logrotate -s" in line for line in crontab.splitlines())
         bridge_python = (home / "hpc-bridge" / ".venv" / "bin" / "python").resolve()
         assert _as_user(f"{bridge_python} -c 'import tensorflow'").returncode != 0  # the login node stays light

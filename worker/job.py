@@ -35,6 +35,7 @@ from bridge.replies import ReplyBox
 from bridge.rodan import DEFAULT_MAX_INPUT_BYTES, DEFAULT_MAX_INPUT_PIXELS, RodanClient
 from bridge.spool import Spool, atomic_write_json, read_json
 from bridge.spool import safe_key as spool_key
+from bridge.version import package_version
 from worker import memory, onednn
 from worker.continuation import ContinuationPlan, TimeLimitWarning, continue_job
 from worker.gpumon import GpuMonitor
@@ -73,6 +74,7 @@ class JobParameters:
     # a parameter file written before they existed has no "limits": the defaults then.
     max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES
     max_input_pixels: int = DEFAULT_MAX_INPUT_PIXELS
+    runs_shared: bool = False  # the bridge's HPC_RUNS_SHARED=group: run directories 0750/0640
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> JobParameters:
@@ -97,6 +99,7 @@ class JobParameters:
             seed=int(data["seed"]) if data.get("seed") is not None else None,
             max_input_bytes=_limit(data, "max_input_bytes", DEFAULT_MAX_INPUT_BYTES),
             max_input_pixels=_limit(data, "max_input_pixels", DEFAULT_MAX_INPUT_PIXELS),
+            runs_shared=data.get("runs_shared") == "group",
         )
 
     @property
@@ -109,6 +112,21 @@ class StepFailed(Exception):
         self.step = step
         self.cause = cause
         super().__init__(f"{step}: {cause}")
+
+
+def warn_on_version_mismatch(raw: Mapping[str, Any]) -> bool:
+    """Log ``worker_version_mismatch`` (and return True) when the bridge that wrote the parameter
+    file is another version than this worker: not fatal, but an upgrade was done on one side only."""
+    theirs, ours = raw.get("bridge_version"), package_version()
+    if theirs == ours:
+        return False
+    log.warning(
+        "worker_version_mismatch",
+        bridge_version=theirs,
+        worker_version=ours,
+        fix="install the bridge's version in the worker environment (docs/upgrade.md)",
+    )
+    return True
 
 
 def run_job(params_path: Path) -> int:
@@ -127,6 +145,7 @@ def run_job(params_path: Path) -> int:
         job_id=os.environ.get("HPC_JOB_ID") or os.environ.get("SLURM_JOB_ID", ""),
         continuation=plan.count if plan else 0,
     )
+    warn_on_version_mismatch(raw)
     replies = ReplyBox(Spool(params.spool), max_bytes=params.max_reply_bytes)
     if replies.already_replied(params.correlation_id):
         log.warning("already_replied", note="this request was answered before; nothing to do")
@@ -137,20 +156,23 @@ def run_job(params_path: Path) -> int:
         onednn.choose(onednn.tuning_dir())  # before TensorFlow is imported
         # Imports TensorFlow: an environment that cannot train still gets its error reply.
         from worker.trainer._tf import keras  # noqa: F401
-        from worker.trainer.rundir import RunDirectory
+        from worker.trainer.rundir import RunDirectory, let_group_in
 
         memory.release_library_pages()  # what the import touched once (worker/memory.py)
 
         if params.run_dir is not None and params.run_dir.is_dir():
-            run_dir = RunDirectory(params.run_dir)
+            run_dir = RunDirectory(params.run_dir, shared=params.runs_shared)
         else:
-            run_dir = RunDirectory.create(params.runs_dir, params.key)
+            run_dir = RunDirectory.create(params.runs_dir, params.key, shared=params.runs_shared)
+        if params.runs_shared and params.runs_dir.parent == params.spool:
+            let_group_in(params.spool, 0o010)  # SPOOL/runs: the group passes the spool, lists nothing
     except Exception as exc:
         log.error("job_failed", step="starting", error=_describe(exc, params))
         deliver(replies, params, error_reply(f"the training job failed while starting: {_describe(exc, params)}"))
         params_path.unlink(missing_ok=True)
         return 1
     tee_logs_to(run_dir.log_path)
+    run_dir.share()  # the log (0600 when opened) too, where the group may read the run
     log.info(
         "job_resume" if params.run_dir else "job_start",
         layers=[key for _, key in params.layers],
@@ -166,6 +188,7 @@ def run_job(params_path: Path) -> int:
             outcome = train_or_stop(params, plan, workdir, run_dir, warning)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+        run_dir.share()
     done: dict[str, str] = {}  # what the success event says of the models
     if isinstance(outcome, Stopped):
         body = stopped(outcome, params, plan, params_path, raw, run_dir, warning)

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
+import functools
 import json
 import os
+import pwd
 import re
 import shutil
 import stat
+import tempfile
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
@@ -25,21 +29,25 @@ import pika.exceptions
 from dotenv import dotenv_values
 
 from bridge.amqp import CONNECTION_ERRORS, connection_parameters, describe_url
-from bridge.config import DEFAULT_CREDENTIALS, BridgeConfig, load_config
+from bridge.config import DEFAULT_CREDENTIALS, BridgeConfig, contains_secret, load_config
 from bridge.errors import ConfigError, PermanentError, RodanAuthError, SchedulerUnavailable, TransientError
 from bridge.logs import configure_logging, register_secret
+from bridge.ops.install import LINGER_DIR, installed_user_units, lingering
 from bridge.protocol import TrainingSettings
 from bridge.rodan import RodanClient
 from bridge.schedulers import JobSpec, Scheduler, get_scheduler
 from bridge.schedulers.base import scrubbed_environment
 from bridge.shell import CommandError, CommandNotFound, CommandTimeout, run_command
-from bridge.spool import fsync_dir
+from bridge.spool import LOCK_FIX, NO_LOCKS, fsync_dir
+from bridge.spool import mount_of as _mount_of
+from bridge.version import DISTRIBUTION, package_version
 
 EPILOG = """Each line: ok / FAIL / warn / skip, the check, what was found and what to fix.
 Exit status 0 when no check failed (warnings allowed), 1 otherwise.
 
 examples:
   hpc-bridge doctor                                   # after installing, or when requests go unanswered
+  hpc-bridge doctor --job                             # and a probe job: the same checks from a compute node
   hpc-bridge --credentials ~/hpc-bridge/credentials.env doctor --json | jq '.checks[] | select(.status=="FAIL")'
 """
 
@@ -57,8 +65,11 @@ NODE_LOCAL_DIRS = (Path("/tmp"), Path("/var/tmp"), Path("/dev/shm"))  # noqa: S1
 _INEQUIVALENT = re.compile(
     r"inequivalent arg '(?P<arg>[^']+)'.*?: received (?P<ours>.+?) but current is (?P<theirs>.+)$"
 )
+#: Run by HPC_WORKER_PYTHON: prints the worker environment's hpc-bridge version (compared with the
+#: bridge's own), its TensorFlow version and how many GPUs it sees.
 WORKER_PROBE = (
-    "import worker.trainer, tensorflow as tf; print(tf.__version__, len(tf.config.list_physical_devices('GPU')))"
+    "import importlib.metadata as m, worker.trainer, tensorflow as tf; "
+    f"print(m.version({DISTRIBUTION!r}), tf.__version__, len(tf.config.list_physical_devices('GPU')))"
 )
 
 
@@ -101,12 +112,21 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--skip-worker", action="store_true", help="do not import the worker environment (TensorFlow: seconds)"
     )
+    from bridge.ops import probe as job_probe  # imports this module: only once it is loaded
+
+    job_probe.add_arguments(p)
     p.set_defaults(operator=run, loads_config=True)
 
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(level="ERROR", component="doctor")  # the findings are the output, not log events
-    checks = diagnose(args.credentials, skip_worker=args.skip_worker)
+    probe = None
+    if getattr(args, "job", False):
+        from bridge.ops import probe as job_probe
+
+        options = job_probe.options_from(args)
+        probe = functools.partial(job_probe.doctor_checks, options=options)
+    checks = diagnose(args.credentials, skip_worker=args.skip_worker, probe=probe)
     failed = any(c.status == "FAIL" for c in checks)
     if args.json:
         print(json.dumps({"ok": not failed, "checks": [asdict(c) for c in checks]}, indent=1))
@@ -118,14 +138,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def diagnose(
-    credentials: Path | None, *, skip_worker: bool = False, environ: Mapping[str, str] | None = None
+    credentials: Path | None,
+    *,
+    skip_worker: bool = False,
+    environ: Mapping[str, str] | None = None,
+    probe: Callable[[BridgeConfig | None, list[Check]], list[Check]] | None = None,
 ) -> list[Check]:
+    """Every check; ``probe`` (``doctor --job``) adds its lines last, given the configuration and the
+    lines before it (None when the configuration did not load)."""
     env = dict(os.environ if environ is None else environ)
     checks: list[Check] = []
     path = _credentials_path(credentials, env)
     checks.append(check_credentials_file(path))
     config, check = check_settings(path, env)
     checks.append(check)
+    checks.append(check_linger())
     if config is None:
         why = "the configuration did not load"
         for name in (
@@ -137,10 +164,13 @@ def diagnose(
             "scheduler-accounting",
             "spool",
             "spool-shared",
+            "spool-lock",
         ):
             checks.append(skip(name, why))
         checks.append(skip("template", why))
         checks.append(skip("worker", why))
+        if probe is not None:
+            checks.extend(probe(None, checks))
         return checks
     for secret in config.secrets:
         register_secret(secret)
@@ -152,8 +182,11 @@ def diagnose(
     checks.append(check_rodan(config))
     checks.extend(check_scheduler(config))
     checks.extend(check_spool(config.spool_dir))
+    checks.append(check_spool_lock(config.spool_dir))
     checks.append(check_template(config))
     checks.append(skip("worker", "--skip-worker") if skip_worker else check_worker(config))
+    if probe is not None:
+        checks.extend(probe(config, checks))
     return checks
 
 
@@ -524,7 +557,7 @@ def _probe_spool(spool: Path) -> Check:
             f"make it writable by this user (chown/chmod 700 {spool}) or set HPC_SPOOL_DIR elsewhere",
         )
     mode = stat.S_IMODE(spool.stat().st_mode)
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+    if mode & (stat.S_IRWXO | stat.S_IRGRP | stat.S_IWGRP):  # group x only (0710): HPC_RUNS_SHARED=group
         return fail(
             name,
             f"{spool} has mode {mode:o}: others may read job parameters (they hold Rodan tokens)",
@@ -533,23 +566,30 @@ def _probe_spool(spool: Path) -> Check:
     return ok(name, f"{spool} writable (write, fsync, delete) and private (mode {mode:o})")
 
 
-def _mount_of(path: Path) -> tuple[str, str]:
-    """(mount point, filesystem type) of ``path``, from /proc/mounts; ("", "") when unknown."""
-    resolved = str(path.resolve())
-    best = ("", "")
+def check_spool_lock(spool: Path) -> Check:
+    """Take and release a lock (flock, as the bridge does) on a file in the spool, or where it will be."""
+    name = "spool-lock"
+    directory = spool
+    while not directory.is_dir() and directory != directory.parent:
+        directory = directory.parent
     try:
-        lines = Path("/proc/mounts").read_text().splitlines()
-    except OSError:
-        return best
-    for line in lines:
-        fields = line.split()
-        if len(fields) < 3:
-            continue
-        point = fields[1].replace("\\040", " ")
-        inside = resolved == point or resolved.startswith(point.rstrip("/") + "/")
-        if inside and len(point) >= len(best[0]):
-            best = (point, fields[2])
-    return best
+        fd, probe = tempfile.mkstemp(prefix=".doctor-lock-", dir=directory)
+    except OSError as exc:
+        return skip(name, f"no file can be made in {directory} ({exc.strerror or exc}; see spool)")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    except OSError as exc:
+        if exc.errno not in NO_LOCKS:
+            return fail(name, f"locking a file in {directory} failed: {exc.strerror or exc}", LOCK_FIX)
+        point, fstype = _mount_of(directory)
+        where = f"{fstype or 'an unknown filesystem'} at {point or '?'}"
+        return fail(name, f"{directory} is on {where}, which does not support file locks ({exc.strerror})", LOCK_FIX)
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
+    return ok(name, f"file locks work in {directory} (flock)")
 
 
 def _check_shared(spool: Path, existing: Path) -> Check:
@@ -588,6 +628,9 @@ def check_template(config: BridgeConfig) -> Check:
         partition=config.partition,
         warn_seconds=config.warn_seconds_for(settings.max_time_minutes),
         extra_args=config.scheduler_args,
+        directives=config.job_directives,
+        prologue=config.job_prologue,
+        continue_by=config.slurm_continue,
         log_dir=job_dir,
         workdir=job_dir,
         command=(config.worker_python, "-m", "worker", "run", str(config.spool_dir / "params" / f"{key}.json")),
@@ -599,17 +642,35 @@ def check_template(config: BridgeConfig) -> Check:
         return fail(
             name,
             f"the {scheduler.display_name} batch script does not render for a sample request: {exc}",
-            "fix HPC_SLURM_ACCOUNT/HPC_SLURM_PARTITION/HPC_SGE_*/HPC_GPU_RULES/HPC_SCHEDULER_ARGS named above",
+            "fix HPC_SLURM_ACCOUNT/HPC_SLURM_PARTITION/HPC_SGE_*/HPC_GPU_RULES/HPC_SCHEDULER_ARGS/"
+            "HPC_JOB_DIRECTIVES/HPC_JOB_PROLOGUE named above",
         )
-    leaked = [s for s in config.secrets if s in script]
+    leaked = [s for s in config.secrets if contains_secret(script, [s])]
     if leaked:
         return fail(
             name,
             f"the rendered batch script contains {len(leaked)} secret(s) from the credentials",
             "remove the password from HPC_SCHEDULER_ARGS and the other settings that reach the script",
         )
+    try:  # the site's prologue is pasted into the script: a syntax error would fail every job at its start
+        syntax = run_command(["bash", "-n"], timeout=30.0, input_text=script, env=scrubbed_environment(), check=False)
+    except CommandError:
+        syntax = None  # no bash on this machine: the compute nodes' bash runs the script
+    if syntax is not None and syntax.returncode != 0:
+        said = " ".join(syntax.stderr.split())[:300]
+        return fail(
+            name,
+            f"the {scheduler.display_name} batch script is not valid bash ({said})",
+            "fix the shell syntax of HPC_JOB_PROLOGUE (check the lines with 'bash -n')"
+            if config.job_prologue
+            else "the bridge's template is broken: reinstall hpc-bridge",
+        )
+    site = f", {len(config.job_directives)} site directive(s)" if config.job_directives else ""
+    site += ", the site's prologue" if config.job_prologue else ""
     lines = len(script.splitlines())
-    return ok(name, f"{scheduler.display_name} batch script renders for a sample request ({lines} lines, no secret)")
+    return ok(
+        name, f"{scheduler.display_name} batch script renders for a sample request ({lines} lines{site}, no secret)"
+    )
 
 
 def check_worker(config: BridgeConfig, runner: Callable[..., Any] = run_command) -> Check:
@@ -629,8 +690,49 @@ def check_worker(config: BridgeConfig, runner: Callable[..., Any] = run_command)
         lines = [ln for ln in exc.output.splitlines() if ln.strip()]
         return fail(name, f"{python} cannot import the worker: {lines[-1] if lines else exc.reason}", fix)
     words = result.stdout.split()
-    if len(words) < 2:
-        return fail(name, f"{python} printed {result.stdout.strip()!r} instead of a version and a GPU count", fix)
-    version, gpus = words[-2], words[-1]
+    if len(words) < 3:
+        return fail(name, f"{python} printed {result.stdout.strip()!r} instead of versions and a GPU count", fix)
+    worker_version, version, gpus = words[-3:]
+    ours = package_version()
+    if worker_version != ours:
+        return fail(
+            name,
+            f"{python} has hpc-bridge {worker_version}, this bridge is {ours}",
+            f"install the same version in the worker environment ({python} -m pip install "
+            f"'hpc-bridge[worker]=={ours}', or from the bridge's checkout; docs/upgrade.md)",
+        )
     note = " (none here is normal on a login node: the jobs' nodes have them)" if gpus == "0" else ""
-    return ok(name, f"{python}: worker.trainer imports, TensorFlow {version}, {gpus} GPU(s) visible{note}")
+    return ok(
+        name, f"{python}: hpc-bridge {ours}, worker.trainer imports, TensorFlow {version}, {gpus} GPU(s) visible{note}"
+    )
+
+
+# --- systemd user units ---------------------------------------------------------------------------
+
+
+def check_linger(config_home: Path | None = None, linger_dir: Path = LINGER_DIR) -> Check:
+    """A systemd user unit of hpc-bridge runs only while its user manager does: without lingering,
+    from the user's first login to the end of their last session."""
+    name = "systemd-linger"
+    units = installed_user_units(config_home)
+    if not units:
+        return ok(name, "no hpc-bridge systemd user unit installed (cron and system units need no lingering)")
+    user = pwd.getpwuid(os.getuid()).pw_name
+    listed = ", ".join(u.name for u in units)
+    fix = f"loginctl enable-linger {user} (some sites reserve it for their administrators: ask them), or use cron"
+    state = lingering(user, linger_dir)
+    if state is True:
+        return ok(name, f"{listed} installed and lingering is on for {user}: they run without a login session")
+    if state is None:
+        return warn(
+            name,
+            f"{listed} installed in {units[0].parent}, but whether lingering is on for {user} cannot be told "
+            "(no systemd login manager answers here)",
+            f"check with loginctl show-user {user} --property=Linger; if it is not 'yes': {fix}",
+        )
+    return warn(
+        name,
+        f"{listed} installed in {units[0].parent}, but lingering is off for {user}: the units stop when "
+        "your last login session ends, and start again only at your next login",
+        fix,
+    )
