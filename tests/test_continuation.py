@@ -427,3 +427,41 @@ def test_a_real_slurm_job_submits_its_successor_held_on_itself(slurm: None, tmp_
     first_end = float((tmp_path / f"end-{first}.txt").read_text())
     assert float(started["HPC_JOB_STARTED"]) >= int(first_end)
     assert scheduler.find_by_name(job.name) == [first, second]
+
+
+WAIT_FOR_WARNING = """
+import sys, time
+from worker.continuation import TimeLimitWarning
+warning = TimeLimitWarning(None).install()  # no deadline of its own: only the scheduler's signal
+while not warning():
+    time.sleep(0.2)
+open(sys.argv[1], "w").write(warning.reason)
+"""
+
+
+@pytest.mark.slurm
+def test_slurms_warning_signal_reaches_the_workers_flag(slurm: None, tmp_path: Path) -> None:
+    """The real ``--signal=B:USR1@60`` of a three-minute job: the worker's flag rises (the time-limit
+    path the end-to-end continuation test cuts short with a fixed amount of work)."""
+    (tmp_path / "wait.py").write_text(WAIT_FOR_WARNING)
+    job = slurm_spec(
+        tmp_path,
+        time_minutes=3,
+        warn_seconds=60,
+        command=(sys.executable, str(tmp_path / "wait.py"), str(tmp_path / "reason.txt")),
+    )
+    scheduler = SlurmScheduler(timeout_s=30)
+    (tmp_path / "job.sh").write_text(scheduler.render(job))
+    job_id = scheduler.submit(tmp_path / "job.sh", job)
+    try:
+        reason = wait_until(lambda: (tmp_path / "reason.txt").exists() and (tmp_path / "reason.txt").read_text(), 240)
+    finally:
+        scheduler.cancel(job_id)
+    assert reason == "the scheduler's warning (SIGUSR1)"
+
+
+def test_a_test_can_cut_the_training_after_a_fixed_amount_of_work() -> None:
+    warning = TimeLimitWarning.from_environment({continuation.TEST_WARN_AFTER_POLLS: "3"})
+    assert [warning(), warning(), warning(), warning()] == [False, False, True, True]
+    assert "HPC_TEST_WARN_AFTER_POLLS=3" in warning.reason
+    assert not TimeLimitWarning.from_environment({continuation.TEST_WARN_AFTER_POLLS: "x"})()

@@ -48,24 +48,34 @@ CONTINUE_RETRY_S = 2.0
 WARNING_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 
 
+#: Test-only: the job is warned after this many looks at the flag (the trainer looks after every
+#: batch and at every epoch end), so that a test's training is cut after a fixed amount of work,
+#: into the same number of jobs however fast the machine is. Set through HPC_JOB_PROLOGUE.
+TEST_WARN_AFTER_POLLS = "HPC_TEST_WARN_AFTER_POLLS"
+
+
 class TimeLimitWarning:
     """Set by a warning signal or by the job's own deadline; read between batches."""
 
-    def __init__(self, deadline: float | None = None) -> None:
+    def __init__(self, deadline: float | None = None, *, after_polls: int | None = None) -> None:
         self.deadline = deadline  # epoch seconds at which to stop, or None
         self.signal_name = ""  # the first warning signal received
+        self.after_polls = after_polls  # test-only (TEST_WARN_AFTER_POLLS)
+        self.polls = 0
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None) -> TimeLimitWarning:
         """The deadline ``HPC_JOB_STARTED + HPC_JOB_TIME_LIMIT_S - HPC_JOB_WARN_S``, when all are set."""
         env = os.environ if environ is None else environ
+        polls = env.get(TEST_WARN_AFTER_POLLS, "")
+        after_polls = int(polls) if polls.isdigit() and int(polls) > 0 else None
         try:
             started = float(env["HPC_JOB_STARTED"])
             limit = float(env["HPC_JOB_TIME_LIMIT_S"])
             warn = float(env["HPC_JOB_WARN_S"])
         except (KeyError, ValueError):
-            return cls(None)
-        return cls(started + limit - warn if warn > 0 else None)
+            return cls(None, after_polls=after_polls)
+        return cls(started + limit - warn if warn > 0 else None, after_polls=after_polls)
 
     def install(self) -> TimeLimitWarning:
         for signum in WARNING_SIGNALS:
@@ -78,12 +88,21 @@ class TimeLimitWarning:
 
     def __call__(self) -> bool:
         """True once the job should checkpoint and stop."""
-        return bool(self.signal_name) or (self.deadline is not None and time.time() >= self.deadline)
+        self.polls += 1
+        return (
+            bool(self.signal_name) or self._polled_out or (self.deadline is not None and time.time() >= self.deadline)
+        )
+
+    @property
+    def _polled_out(self) -> bool:
+        return self.after_polls is not None and self.polls >= self.after_polls
 
     @property
     def reason(self) -> str:
         if self.signal_name:
             return f"the scheduler's warning ({self.signal_name})"
+        if self._polled_out:
+            return f"a test's fixed amount of work ({TEST_WARN_AFTER_POLLS}={self.after_polls})"
         return "the job's own deadline (time limit minus HPC_WARN_SECONDS)"
 
 
