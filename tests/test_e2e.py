@@ -414,6 +414,9 @@ def models_of(reply: dict[str, Any], where: Path) -> dict[str, list[np.ndarray]]
 
 @pytest.mark.training
 @pytest.mark.slow
+# One variant at a time (pytest-xdist --dist loadgroup): each keeps two 4 GB jobs busy, and the dev
+# Slurm node has room for three such jobs; side by side they left other tests' jobs pending.
+@pytest.mark.xdist_group("continuation-e2e")
 @pytest.mark.parametrize(
     ("cluster", "slurm_continue"),
     [("slurm", "requeue"), ("slurm", "successor"), pytest.param("gridengine", "successor", id="gridengine")],
