@@ -218,7 +218,7 @@ def test_status_and_metrics_on_real_requests(broker_url, standin, queues, rodan,
                 json.loads((spool / "ledger" / f"{running}.json").read_text())["job_id"]
             )
 
-        wait_until(settled, timeout=60, interval=1, what="the /bin/true job replied and the sleeper running")
+        wait_until(settled, timeout=300, interval=1, what="the /bin/true job replied and the sleeper running")
         expected = {
             bad: "rejected",
             refused: "rejected",
