@@ -36,7 +36,7 @@ from bridge.config import BridgeConfig
 from bridge.errors import PermanentError, RodanAuthError, SchedulerRejected, SubmitLimitReached, TransientError
 from bridge.faults import fault_point
 from bridge.ledger import Ledger, RequestRecord, RequestState
-from bridge.protocol import JobRequest, bounded, error_reply, parse_request
+from bridge.protocol import JobRequest, TrainingSettings, bounded, error_reply, parse_request
 from bridge.replies import ReplyBox
 from bridge.rodan import RodanClient
 from bridge.schedulers import JobSpec, Scheduler
@@ -310,35 +310,7 @@ class Intake:
         return job_id
 
     def job_spec(self, request: JobRequest, key: str) -> JobSpec:
-        s = request.settings
-        job_dir = self.spool.job_dir(key)
-        return JobSpec(
-            name=f"rodan-{key}",
-            comment=key,
-            time_minutes=s.max_time_minutes,
-            memory_mb=s.max_memory_mb,
-            cpus=s.cpus,
-            gres=self.config.gres_for(s.max_memory_mb),
-            email=s.notification_email,
-            account=self.config.account,
-            partition=self.config.partition,
-            warn_seconds=self.config.warn_seconds_for(s.max_time_minutes),
-            continue_by=self.config.slurm_continue,  # HPC_SLURM_CONTINUE (Grid Engine: always a successor)
-            extra_args=self.config.scheduler_args,
-            directives=self.config.job_directives,  # HPC_JOB_DIRECTIVES
-            prologue=self.config.job_prologue,  # HPC_JOB_PROLOGUE
-            log_dir=job_dir,
-            workdir=job_dir,
-            # The environment's directories resolved now: an upgrade that switches a symlink later
-            # leaves this job, and the jobs it continues in, on the environment it was submitted with.
-            command=(
-                pinned_worker_python(self.config.worker_python),
-                "-m",
-                "worker",
-                "run",
-                str(self.spool.params_path(key)),
-            ),
-        )
+        return rodan_job_spec(self.config, self.spool, request.settings, key)
 
     def _parameters(self, request: JobRequest, token: str, spec: JobSpec, script: Path) -> dict[str, object]:
         return {
@@ -424,3 +396,30 @@ class Intake:
 
 def _minutes(seconds: float) -> str:
     return f"{int(seconds // 60)} min {int(seconds % 60)} s" if seconds >= 60 else f"{int(seconds)} s"
+
+
+def rodan_job_spec(config: BridgeConfig, spool: Spool, s: TrainingSettings, key: str) -> JobSpec:
+    """The batch job of a Rodan request with settings ``s``: the one place the site's settings meet
+    the request's (``doctor``'s sample script and ``doctor --job``'s probe use it too)."""
+    job_dir = spool.job_dir(key)
+    return JobSpec(
+        name=f"rodan-{key}",
+        comment=key,
+        time_minutes=s.max_time_minutes,
+        memory_mb=s.max_memory_mb,
+        cpus=s.cpus,
+        gres=config.gres_for(s.max_memory_mb),
+        email=s.notification_email,
+        account=config.account,
+        partition=config.partition,
+        warn_seconds=config.warn_seconds_for(s.max_time_minutes),
+        continue_by=config.slurm_continue,  # HPC_SLURM_CONTINUE (Grid Engine: always a successor)
+        extra_args=config.scheduler_args,
+        directives=config.job_directives,  # HPC_JOB_DIRECTIVES
+        prologue=config.job_prologue,  # HPC_JOB_PROLOGUE
+        log_dir=job_dir,
+        workdir=job_dir,
+        # The environment's directories resolved now: an upgrade that switches a symlink later
+        # leaves this job, and the jobs it continues in, on the environment it was submitted with.
+        command=(pinned_worker_python(config.worker_python), "-m", "worker", "run", str(spool.params_path(key))),
+    )

@@ -10,14 +10,11 @@ never leaves the queue, and one whose interpreter does not run the probe at all.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import socket
-import ssl
 import subprocess
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +26,7 @@ from bridge.ops.probe import NODE_CHECKS, Outcome, ProbeOptions, broker_address,
 from bridge.schedulers import JobInfo, JobState
 from bridge.standin.server import RodanStandin
 from tests.conftest import RODAN_PASSWORD, Cluster, Queues, bridge_environ, run_bridge
+from tests.tls_proxy import tls_proxy
 from worker.probe import judge_gpus, scratch_candidates
 
 pytestmark = [pytest.mark.broker]
@@ -76,48 +74,8 @@ def by_name(checks: list[Any]) -> dict[str, Any]:
 @pytest.fixture
 def rodan_https(standin: RodanStandin, tmp_path: Path) -> Iterator[tuple[str, Path]]:
     """The stand-in behind a TLS-terminating proxy with a self-signed certificate: (host:port, cert)."""
-    cert, key = tmp_path / "rodan-cert.pem", tmp_path / "rodan-key.pem"
-    subprocess.run(
-        [
-            *("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert)),
-            *("-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"),
-        ],
-        check=True,
-        capture_output=True,
-    )
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(cert, key)
-    loop = asyncio.new_event_loop()
-    ready = threading.Event()
-    port: list[int] = []
-
-    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while data := await reader.read(65536):
-                writer.write(data)
-                await writer.drain()
-        except (ConnectionError, asyncio.CancelledError):
-            pass
-        finally:
-            writer.close()
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", standin.port)
-        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
-
-    def run() -> None:
-        server = loop.run_until_complete(asyncio.start_server(handle, "127.0.0.1", 0, ssl=context))
-        port.append(server.sockets[0].getsockname()[1])
-        ready.set()
-        loop.run_forever()
-        server.close()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    ready.wait(10)
-    yield f"127.0.0.1:{port[0]}", cert
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
+    with tls_proxy(tmp_path, "127.0.0.1", standin.port, name="rodan") as (port, cert):
+        yield f"127.0.0.1:{port}", cert
 
 
 # --- without a scheduler -----------------------------------------------------------------------

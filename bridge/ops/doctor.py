@@ -31,15 +31,15 @@ from dotenv import dotenv_values
 from bridge.amqp import CONNECTION_ERRORS, connection_parameters, describe_url
 from bridge.config import DEFAULT_CREDENTIALS, BridgeConfig, contains_secret, load_config
 from bridge.errors import ConfigError, PermanentError, RodanAuthError, SchedulerUnavailable, TransientError
+from bridge.intake import rodan_job_spec
 from bridge.logs import configure_logging, register_secret
 from bridge.ops.install import LINGER_DIR, installed_user_units, lingering
 from bridge.protocol import TrainingSettings
 from bridge.rodan import RodanClient
-from bridge.schedulers import JobSpec, Scheduler, get_scheduler
+from bridge.schedulers import Scheduler, get_scheduler
 from bridge.schedulers.base import scrubbed_environment
 from bridge.shell import CommandError, CommandNotFound, CommandTimeout, run_command
-from bridge.spool import LOCK_FIX, NO_LOCKS, fsync_dir
-from bridge.spool import mount_of as _mount_of
+from bridge.spool import LOCK_FIX, NO_LOCKS, Spool, fsync_dir, mount_of
 from bridge.version import DISTRIBUTION, package_version
 
 EPILOG = """Each line: ok / FAIL / warn / skip, the check, what was found and what to fix.
@@ -582,7 +582,7 @@ def check_spool_lock(spool: Path) -> Check:
     except OSError as exc:
         if exc.errno not in NO_LOCKS:
             return fail(name, f"locking a file in {directory} failed: {exc.strerror or exc}", LOCK_FIX)
-        point, fstype = _mount_of(directory)
+        point, fstype = mount_of(directory)
         where = f"{fstype or 'an unknown filesystem'} at {point or '?'}"
         return fail(name, f"{directory} is on {where}, which does not support file locks ({exc.strerror})", LOCK_FIX)
     finally:
@@ -594,7 +594,7 @@ def check_spool_lock(spool: Path) -> Check:
 
 def _check_shared(spool: Path, existing: Path) -> Check:
     name = "spool-shared"
-    point, fstype = _mount_of(existing)
+    point, fstype = mount_of(existing)
     resolved = existing.resolve()
     fix = "set HPC_SPOOL_DIR to a directory on storage the compute nodes mount (e.g. NFS, Lustre, GPFS home/project)"
     if fstype in NODE_LOCAL_FS or any(resolved == d or d in resolved.parents for d in NODE_LOCAL_DIRS):
@@ -613,28 +613,7 @@ def _check_shared(spool: Path, existing: Path) -> Check:
 
 def check_template(config: BridgeConfig) -> Check:
     name = "template"
-    settings = TrainingSettings()
-    key = "doctor-sample"
-    job_dir = config.spool_dir / "jobs" / key
-    spec = JobSpec(
-        name=f"rodan-{key}",
-        comment=key,
-        time_minutes=settings.max_time_minutes,
-        memory_mb=settings.max_memory_mb,
-        cpus=settings.cpus,
-        gres=config.gres_for(settings.max_memory_mb),
-        email=settings.notification_email,
-        account=config.account,
-        partition=config.partition,
-        warn_seconds=config.warn_seconds_for(settings.max_time_minutes),
-        extra_args=config.scheduler_args,
-        directives=config.job_directives,
-        prologue=config.job_prologue,
-        continue_by=config.slurm_continue,
-        log_dir=job_dir,
-        workdir=job_dir,
-        command=(config.worker_python, "-m", "worker", "run", str(config.spool_dir / "params" / f"{key}.json")),
-    )
+    spec = rodan_job_spec(config, Spool(config.spool_dir), TrainingSettings(), "doctor-sample")
     scheduler = _scheduler(config)
     try:
         script = scheduler.render(spec)

@@ -27,25 +27,17 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from bridge.ledger import RequestRecord, RequestState
 from bridge.ops.metrics import STATES, count, display_state
+from bridge.version import package_version
 
 #: The status queue keeps this many messages (the newest); older ones are dropped by the broker.
 STATUS_QUEUE_LENGTH = 10
 #: The AMQP ``type`` property of a status message, and its ``type`` field.
 MESSAGE_TYPE = "hpc-bridge.status"
 SCHEMA = 1
-
-
-def bridge_version() -> str:
-    """The installed package's version (its metadata, not a literal)."""
-    try:
-        return version("hpc-bridge")
-    except PackageNotFoundError:
-        return "unknown"
 
 
 def status_queue_arguments() -> dict[str, Any]:
@@ -94,7 +86,7 @@ def build_status(
     return {
         "type": MESSAGE_TYPE,
         "schema": SCHEMA,
-        "version": bridge_version(),
+        "version": package_version(),
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "mode": mode,

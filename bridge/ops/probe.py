@@ -35,12 +35,9 @@ import structlog
 
 from bridge.config import BridgeConfig
 from bridge.errors import SchedulerRejected, SchedulerUnavailable
-from bridge.intake import Intake
-from bridge.ledger import Ledger
+from bridge.intake import rodan_job_spec
 from bridge.ops.doctor import Check, fail, ok, skip
-from bridge.protocol import Generation, JobRequest, TrainingSettings, format_duration
-from bridge.replies import ReplyBox
-from bridge.rodan import RodanClient
+from bridge.protocol import TrainingSettings, format_duration
 from bridge.schedulers import JobInfo, JobSpec, JobState, Scheduler, get_scheduler
 from bridge.spool import Spool, atomic_write, atomic_write_json, read_json
 
@@ -130,13 +127,12 @@ def skipped(why: str) -> list[Check]:
 # --- the probe job -----------------------------------------------------------------------------
 
 
-def probe_spec(config: BridgeConfig, scheduler: Scheduler, spool: Spool, key: str, memory_mb: int) -> JobSpec:
-    """The job a Rodan request of one CPU, ``memory_mb`` MB and PROBE_MINUTES minutes gets, running the probe."""
-    intake = Intake(config, spool, Ledger(spool), scheduler, RodanClient(config.rodan_base_url), ReplyBox(spool))
+def probe_spec(config: BridgeConfig, spool: Spool, key: str, memory_mb: int) -> JobSpec:
+    """The job a Rodan request of one CPU, ``memory_mb`` MB and PROBE_MINUTES minutes gets, running the probe
+    with the same (pinned) worker interpreter instead of the worker."""
     settings = TrainingSettings(max_time=format_duration(PROBE_MINUTES), max_memory_mb=memory_mb, cpus=1)
-    request = JobRequest(key, config.reply_queue, Generation.NEW, {}, settings)
-    spec = intake.job_spec(request, key)
-    return replace(spec, command=(config.worker_python, "-m", "worker.probe", str(spool.job_dir(key) / "probe.json")))
+    spec = rodan_job_spec(config, spool, settings, key)
+    return replace(spec, command=(spec.command[0], "-m", "worker.probe", str(spool.job_dir(key) / "probe.json")))
 
 
 def broker_address(url: str) -> tuple[str, int]:
@@ -221,7 +217,7 @@ def run_probe(
     token = uuid.uuid4().hex
     atomic_write(probe_dir / TOKEN_NAME, f"{token}\n".encode())
     try:
-        spec = probe_spec(config, scheduler, spool, key, options.memory_mb)
+        spec = probe_spec(config, spool, key, options.memory_mb)
         script = scheduler.render(spec)
     except (ValueError, KeyError) as exc:
         shutil.rmtree(probe_dir, ignore_errors=True)

@@ -82,6 +82,7 @@ if ! command -v promtool >/dev/null; then
         || { apt-get update -qq && apt-get download -qq prometheus >/dev/null; }; } && dpkg-deb -x prometheus_*.deb x) \
         && install -m 0755 "$promdir/x/usr/bin/promtool" /usr/local/bin/promtool
     rm -rf "$promdir"
+    command -v promtool >/dev/null || { echo "[setup] could not install promtool (apt-get download prometheus)" >&2; exit 1; }
 fi
 
 # --- Slurm ---------------------------------------------------------------------------
