@@ -448,8 +448,8 @@ def test_training_longer_than_one_job_continues_and_equals_an_uninterrupted_run(
         )
         wrapper.chmod(0o755)
         harness.env["PATH"] = f"{wrapper.parent}:{os.environ['PATH']}"
-    # Each job of the continued request is warned after a fixed amount of work (40 looks at the
-    # flag, about 40 training batches; the whole training takes about 100), not by the clock: the
+    # Each job of the continued request is warned after a fixed amount of work (5 looks at the
+    # flag: batches and epoch ends; the whole training takes about 20), not by the clock: the
     # number of jobs is the same however fast or loaded the machine is. What follows the warning
     # (checkpoint, requeue or successor, resume) is the real path. The warning's other sources
     # (the scheduler's signal, the job's own deadline) are tested in test_continuation.py,
@@ -458,13 +458,13 @@ def test_training_longer_than_one_job_continues_and_equals_an_uninterrupted_run(
     metrics = tmp_path / "hpc_bridge.prom"
     harness.env["HPC_METRICS_FILE"] = str(metrics)
     page = sample_inputs("new", n_layers=1, height=320, width=384, seed=12)
-    work = {**LONG, "Maximum number of samples per label": 1500, "Maximum time (D-HH:MM)": "0-00:15"}
+    work = {**LONG, "Maximum number of samples per label": 100, "Maximum time (D-HH:MM)": "0-00:15"}
     # The reference must never be warned: an hour, past any time this test may take (on a loaded
     # machine the training alone took more than the 14 minutes a 15-minute job trains).
     reference = rodan.publish_request(page, {**work, "Maximum time (D-HH:MM)": "0-01:00"})
     harness.check()  # the reference's job is submitted without the cut: the prologue below is for later jobs
     assert harness.ledger(reference)["state"] == "submitted"
-    harness.env["HPC_JOB_PROLOGUE"] = "export HPC_TEST_WARN_AFTER_POLLS=40"
+    harness.env["HPC_JOB_PROLOGUE"] = "export HPC_TEST_WARN_AFTER_POLLS=5"
     continued = rodan.publish_request(page, work)
     # Between cron passes, ``status`` as an operator runs it, once the ledger has counted a
     # continuation and until status has shown it (the state stays "continued" until the reply).
