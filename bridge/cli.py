@@ -46,16 +46,70 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--version", action="version", version=f"hpc-bridge {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser(
+    # Every subcommand's parser sets ``operator``, called as ``operator(config, args)`` with the
+    # loaded configuration, or as ``operator(args)`` where it also sets ``loads_config=True``.
+    for add_parsers in (_add_bridge_parsers, _add_enqueue_parser, _add_chain_parser, _add_ops_parsers):
+        add_parsers(sub)
+    for command in sub.choices.values():  # `hpc-bridge doctor --credentials F` works as well
+        command.add_argument("--credentials", type=Path, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if getattr(args, "loads_config", False):  # chain needs no credentials.env, doctor judges it itself
+        return int(args.operator(args))
+
+    try:
+        config = load_config(args.credentials)
+    except ConfigError as exc:
+        return configuration_error(exc)
+    for secret in config.secrets:
+        register_secret(secret)
+    try:
+        configure_logging(level=config.log_level, log_file=config.log_file, component="bridge")
+    except OSError as exc:
+        return configuration_error(ConfigError(f"HPC_LOG_FILE {config.log_file} cannot be written: {exc.strerror}"))
+
+    return int(args.operator(config, args))
+
+
+def configuration_error(exc: ConfigError) -> int:
+    """Print every problem of a configuration, one per line, and return exit status 2."""
+    if len(exc.problems) == 1:
+        print(f"hpc-bridge: configuration error: {exc.problems[0]}", file=sys.stderr)
+    else:
+        print(f"hpc-bridge: {len(exc.problems)} configuration errors:", file=sys.stderr)
+        for problem in exc.problems:
+            print(f"  - {problem}", file=sys.stderr)
+    return 2
+
+
+def _add_bridge_parsers(sub: Any) -> None:
+    check = sub.add_parser(
         "check",
         help="one pass: drain the request queue, reconcile jobs, publish pending replies, exit",
         epilog="example: * * * * * /opt/hpc-bridge/deploy/run_check (hpc-bridge install cron writes it)",
     )
-    sub.add_parser(
+    check.set_defaults(operator=_run_bridge, once=True)
+    daemon = sub.add_parser(
         "run",
         help="run as a daemon (pick up requests within a second, reconcile periodically)",
         epilog="example: systemctl --user start hpc-bridge",
     )
+    daemon.set_defaults(operator=_run_bridge, once=False)
+
+
+def _run_bridge(config: BridgeConfig, args: argparse.Namespace) -> int:
+    """``check`` (one pass, ``args.once``) and ``run`` (the daemon)."""
+    from bridge.runner import Bridge
+
+    bridge = Bridge(config)
+    bridge.install_signal_handlers()
+    try:
+        return bridge.check() if args.once else bridge.run()
+    except ConfigError as exc:  # e.g. the spool lock on a filesystem without locks
+        return configuration_error(exc)
+
+
+def _add_enqueue_parser(sub: Any) -> None:
     enq = sub.add_parser(
         "enqueue",
         help="publish a request exactly as Rodan does, optionally wait for its reply",
@@ -76,58 +130,20 @@ def main(argv: list[str] | None = None) -> int:
         "a status line redrawn in place (bar), one line per change (lines), JSON lines (json), or none; "
         "auto (default): bar on a terminal, else json. Standard output stays the one result line",
     )
-    _add_chain_parser(sub)
+    enq.set_defaults(operator=_enqueue)
+
+
+def _add_ops_parsers(sub: Any) -> None:
     from bridge.ops import add_parsers
 
     add_parsers(sub)  # status, doctor, logs, ... (bridge/ops/)
-    for command in sub.choices.values():  # `hpc-bridge doctor --credentials F` works as well
-        command.add_argument("--credentials", type=Path, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-
-    if args.command == "chain":  # no broker, no Rodan: no credentials.env either
-        from bridge.chain import chain_command
-
-        return chain_command(args)
-    if getattr(args, "loads_config", False):  # e.g. doctor: judges the configuration itself
-        return int(args.operator(args))
-
-    try:
-        config = load_config(args.credentials)
-    except ConfigError as exc:
-        return configuration_error(exc)
-    for secret in config.secrets:
-        register_secret(secret)
-    try:
-        configure_logging(level=config.log_level, log_file=config.log_file, component="bridge")
-    except OSError as exc:
-        return configuration_error(ConfigError(f"HPC_LOG_FILE {config.log_file} cannot be written: {exc.strerror}"))
-
-    if args.command in ("check", "run"):
-        from bridge.runner import Bridge
-
-        bridge = Bridge(config)
-        bridge.install_signal_handlers()
-        try:
-            return bridge.check() if args.command == "check" else bridge.run()
-        except ConfigError as exc:  # e.g. the spool lock on a filesystem without locks
-            return configuration_error(exc)
-    if args.command == "enqueue":
-        return _enqueue(config, args)
-    if getattr(args, "operator", None) is not None:
-        return int(args.operator(config, args))
-    parser.error(f"unknown command {args.command}")
-    return 2
 
 
-def configuration_error(exc: ConfigError) -> int:
-    """Print every problem of a configuration, one per line, and return exit status 2."""
-    if len(exc.problems) == 1:
-        print(f"hpc-bridge: configuration error: {exc.problems[0]}", file=sys.stderr)
-    else:
-        print(f"hpc-bridge: {len(exc.problems)} configuration errors:", file=sys.stderr)
-        for problem in exc.problems:
-            print(f"  - {problem}", file=sys.stderr)
-    return 2
+def _chain(args: argparse.Namespace) -> int:
+    """``chain``: no broker, no Rodan, so no credentials.env either."""
+    from bridge.chain import chain_command
+
+    return chain_command(args)
 
 
 def _add_chain_parser(sub: Any) -> None:
@@ -178,6 +194,7 @@ def _add_chain_parser(sub: Any) -> None:
         "JSON lines (json), or none; auto (default): bar on a terminal, else json",
     )
     chain.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...", help="the command to run")
+    chain.set_defaults(operator=_chain, loads_config=True)
 
 
 def _enqueue(config: BridgeConfig, args: argparse.Namespace) -> int:

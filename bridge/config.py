@@ -22,15 +22,32 @@ from urllib.parse import quote, unquote, urlsplit
 from dotenv import dotenv_values
 
 from bridge.errors import ConfigError
+from bridge.handoff import (
+    DEFAULT_CHECKPOINT_SYNC_S,
+    DEFAULT_MAX_CONTINUATIONS,
+    DEFAULT_MAX_INPUT_BYTES,
+    DEFAULT_MAX_INPUT_PIXELS,
+    DEFAULT_MAX_REPLY_BYTES,
+    DEFAULT_RODAN_RETRIES,
+    DEFAULT_RODAN_TIMEOUT_S,
+    DEFAULT_SCHEDULER_TIMEOUT_S,
+)
 from bridge.protocol import without_private
-from bridge.rodan import DEFAULT_MAX_INPUT_BYTES, DEFAULT_MAX_INPUT_PIXELS
+from bridge.schedulers import (
+    DEFAULT_SCHEDULER,
+    Scheduler,
+    all_site_options,
+    backend_name,
+    choices_text,
+    get_scheduler,
+    scheduler_class,
+)
+from bridge.schedulers.base import CONTINUE_BY
 
 DEFAULT_CREDENTIALS = Path("credentials.env")
 T = TypeVar("T")
 #: HPC_MIXED_PRECISION's values: the trainer's TrainSettings.mixed_precision (worker/trainer/settings.py).
 MIXED_PRECISION_CHOICES = ("off", "float16", "bfloat16")
-#: Accepted spellings of HPC_SCHEDULER -> the backend's name.
-SCHEDULER_ALIASES = {"slurm": "slurm", "gridengine": "gridengine", "sge": "gridengine", "grid engine": "gridengine"}
 
 
 @dataclass(frozen=True)
@@ -53,14 +70,10 @@ class BridgeConfig:
     reply_queue: str = "hpc-results"
     dead_letter_queue: str = "hpc-bridge.dead-letter"
     spool_dir: Path = Path.home() / "hpc-bridge-spool"
-    scheduler: str = "slurm"  # "slurm" or "gridengine"
-    slurm_account: str = ""
-    slurm_partition: str = ""
-    sge_project: str = ""
-    sge_queue: str = ""
-    sge_pe: str = "smp"  # parallel environment for multi-CPU jobs
-    sge_gpu_resource: str = "gpu"  # consumable complex counting GPUs
-    sge_memory_resource: str = "mem_free"  # complex that requests memory (h_vmem where sites enforce it)
+    scheduler: str = DEFAULT_SCHEDULER  # a backend's name (bridge.schedulers.BACKENDS)
+    # Every backend's site settings (HPC_SLURM_ACCOUNT, HPC_SGE_PE, ...: Scheduler.site_options),
+    # setting name -> value; the chosen backend's are used (account, partition, scheduler_options).
+    site_options: Mapping[str, str] = field(default_factory=dict)
     gpu_rules: tuple[GpuRule, ...] = (GpuRule(0, "gpu:1"),)
     scheduler_args: tuple[str, ...] = ()
     worker_python: str = sys.executable
@@ -73,10 +86,10 @@ class BridgeConfig:
     poison_limit: int = 3  # deliveries that crashed a process before a message is quarantined
     max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES  # one input file, raw bytes on the wire
     max_input_pixels: int = DEFAULT_MAX_INPUT_PIXELS  # one input image, width x height
-    max_reply_bytes: int = 128 * 1024 * 1024
-    rodan_timeout_s: float = 30.0
-    rodan_retries: int = 4
-    scheduler_timeout_s: float = 60.0
+    max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES
+    rodan_timeout_s: float = DEFAULT_RODAN_TIMEOUT_S
+    rodan_retries: int = DEFAULT_RODAN_RETRIES
+    scheduler_timeout_s: float = DEFAULT_SCHEDULER_TIMEOUT_S
     reconcile_interval_s: float = 30.0
     poll_interval_s: float = 0.25
     broker_heartbeat_s: int = 30
@@ -86,16 +99,15 @@ class BridgeConfig:
     save_optimizer: bool = False
     mixed_precision: str = "off"  # the trainer's precision: off (float32, the original trainer's), float16 or bfloat16
     warn_seconds: int = 300  # warn a training job this long before its time limit (it checkpoints and continues)
-    max_continuations: int = 5  # continuation jobs one request may use before it gets an error reply
+    max_continuations: int = DEFAULT_MAX_CONTINUATIONS  # continuation jobs one request may use (then an error reply)
     node_local_dir: Path | None = None  # checkpoint scratch on the compute node (default $SLURM_TMPDIR/$TMPDIR)
-    checkpoint_sync_s: float = 60.0  # how often node-local checkpoints are copied to the run directory
+    checkpoint_sync_s: float = DEFAULT_CHECKPOINT_SYNC_S  # how often node-local checkpoints go to the run directory
     training_seed: int | None = None  # one seed for every training (reproducible runs); default: one per request
     log_file: Path | None = None
     log_level: str = "INFO"
     metrics_file: Path | None = None  # Prometheus text-format metrics, rewritten after every pass
     job_prologue: str = ""  # shell lines run in every batch job before the worker (module load, proxies)
     job_directives: tuple[str, ...] = ()  # extra '#SBATCH'/'#$' lines, each entry one directive's text
-    slurm_continue: str = "requeue"  # how a Slurm job continues past its limit: requeue or successor
     max_active_jobs: int = 0  # jobs the bridge keeps in the scheduler at once (0: no cap)
     runs_shared: str = "private"  # run directories: private (0700) or group (0750/0640)
     status_queue: str = "hpc-bridge.status"  # where the heartbeat/status message goes ("": none)
@@ -103,25 +115,34 @@ class BridgeConfig:
     credentials_file: Path | None = None
 
     @property
+    def backend(self) -> type[Scheduler]:
+        """The chosen backend's class."""
+        return scheduler_class(self.scheduler)
+
+    def site_option(self, setting: str) -> str:
+        """The value of the site setting ``setting`` (``HPC_SLURM_ACCOUNT``), whichever backend's it is."""
+        return self.site_options.get(setting, "")
+
+    @property
     def account(self) -> str:
-        """Slurm's account or Grid Engine's project."""
-        return self.sge_project if self.scheduler == "gridengine" else self.slurm_account
+        """The chosen backend's account (Slurm's account, Grid Engine's project; "" when it has none)."""
+        return self.site_option(self.backend.account_setting)
 
     @property
     def partition(self) -> str:
-        """Slurm's partition or Grid Engine's queue."""
-        return self.sge_queue if self.scheduler == "gridengine" else self.slurm_partition
+        """The chosen backend's partition (Slurm's partition, Grid Engine's queue; "" when it has none)."""
+        return self.site_option(self.backend.partition_setting)
+
+    @property
+    def continue_by(self) -> str:
+        """How a job continues past its limit (``JobSpec.continue_by``): the backend's setting, if it
+        has one (HPC_SLURM_CONTINUE), else ``requeue`` (a backend without requeue runs a successor)."""
+        return self.site_option(self.backend.continue_setting) or CONTINUE_BY[0]
 
     @property
     def scheduler_options(self) -> dict[str, str]:
         """The site settings the chosen backend takes (see ``bridge.schedulers.get_scheduler``)."""
-        if self.scheduler == "gridengine":
-            return {
-                "pe": self.sge_pe,
-                "gpu_resource": self.sge_gpu_resource,
-                "memory_resource": self.sge_memory_resource,
-            }
-        return {}
+        return self.backend.constructor_options(self.site_options)
 
     def warn_seconds_for(self, time_minutes: int) -> int:
         """The warning before a job's limit: ``warn_seconds``, but at most half the limit."""
@@ -140,8 +161,7 @@ class BridgeConfig:
         for environment in (venv, Path(os.path.realpath(venv))):  # jobs run the resolved one (upgrade.md)
             if len(environment.parts) > 2:
                 paths[str(environment)] = "<worker environment>"
-        names = {self.slurm_account: "<account>", self.sge_project: "<project>"}
-        names.update({self.slurm_partition: "<partition>", self.sge_queue: "<queue>"})
+        names = {self.site_option(o.setting): o.private_as for o in all_site_options() if o.private_as}
         return without_private(text, paths, names)
 
     @property
@@ -240,9 +260,15 @@ def _build(raw: Mapping[str, str]) -> tuple[BridgeConfig, _Getter]:
     rodan_host = get.required("RODAN_HOST")
     if rodan_host and ("/" in rodan_host or not rodan_host.strip()):
         get.problem(f"RODAN_HOST must be host or host:port without a scheme or path, got {rodan_host!r}")
-    scheduler = SCHEDULER_ALIASES.get(get.text("HPC_SCHEDULER", "slurm").lower(), "")
+    scheduler = backend_name(get.text("HPC_SCHEDULER", DEFAULT_SCHEDULER))
     if not scheduler:
-        get.problem(f"HPC_SCHEDULER must be 'slurm' or 'gridengine', got {raw.get('HPC_SCHEDULER')!r}")
+        get.problem(f"HPC_SCHEDULER must be {choices_text(quote=True)}, got {raw.get('HPC_SCHEDULER')!r}")
+    site_options = {}
+    for option in all_site_options():
+        if option.choices:
+            site_options[option.setting] = get.choice(option.setting, option.default, option.choices)
+        else:
+            site_options[option.setting] = get.text(option.setting, option.default)
     node_local = get.text("HPC_NODE_LOCAL_DIR", "")
     worker_python = get.text("HPC_WORKER_PYTHON", sys.executable)
     if not Path(worker_python).is_absolute():
@@ -271,14 +297,8 @@ def _build(raw: Mapping[str, str]) -> tuple[BridgeConfig, _Getter]:
         reply_queue=reply_patterns[0],
         dead_letter_queue=get.text("HPC_DEAD_LETTER_QUEUE", "hpc-bridge.dead-letter"),
         spool_dir=Path(get.text("HPC_SPOOL_DIR", str(Path.home() / "hpc-bridge-spool"))).expanduser(),
-        scheduler=scheduler or "slurm",
-        slurm_account=get.text("HPC_SLURM_ACCOUNT", ""),
-        slurm_partition=get.text("HPC_SLURM_PARTITION", ""),
-        sge_project=get.text("HPC_SGE_PROJECT", ""),
-        sge_queue=get.text("HPC_SGE_QUEUE", ""),
-        sge_pe=get.text("HPC_SGE_PE", "smp"),
-        sge_gpu_resource=get.text("HPC_SGE_GPU_RESOURCE", "gpu"),
-        sge_memory_resource=get.text("HPC_SGE_MEMORY_RESOURCE", "mem_free"),
+        scheduler=scheduler or DEFAULT_SCHEDULER,
+        site_options=site_options,
         gpu_rules=get.parsed("HPC_GPU_RULES", parse_gpu_rules, (GpuRule(0, "gpu:1"),), "gpu:1"),
         scheduler_args=get.parsed("HPC_SCHEDULER_ARGS", _split, (), ""),
         worker_python=worker_python,
@@ -291,10 +311,10 @@ def _build(raw: Mapping[str, str]) -> tuple[BridgeConfig, _Getter]:
         poison_limit=get.integer("HPC_POISON_LIMIT", 3, minimum=1),
         max_input_bytes=get.integer("HPC_MAX_INPUT_BYTES", DEFAULT_MAX_INPUT_BYTES, minimum=1024),
         max_input_pixels=get.integer("HPC_MAX_INPUT_PIXELS", DEFAULT_MAX_INPUT_PIXELS, minimum=1024),
-        max_reply_bytes=get.integer("HPC_MAX_REPLY_BYTES", 128 * 1024 * 1024, minimum=1024),
-        rodan_timeout_s=get.number("HPC_RODAN_TIMEOUT", 30.0),
-        rodan_retries=get.integer("HPC_RODAN_RETRIES", 4, minimum=0),
-        scheduler_timeout_s=get.number("HPC_SCHEDULER_TIMEOUT", 60.0),
+        max_reply_bytes=get.integer("HPC_MAX_REPLY_BYTES", DEFAULT_MAX_REPLY_BYTES, minimum=1024),
+        rodan_timeout_s=get.number("HPC_RODAN_TIMEOUT", DEFAULT_RODAN_TIMEOUT_S),
+        rodan_retries=get.integer("HPC_RODAN_RETRIES", DEFAULT_RODAN_RETRIES, minimum=0),
+        scheduler_timeout_s=get.number("HPC_SCHEDULER_TIMEOUT", DEFAULT_SCHEDULER_TIMEOUT_S),
         reconcile_interval_s=get.number("HPC_RECONCILE_INTERVAL", 30.0),
         poll_interval_s=get.number("HPC_POLL_INTERVAL", 0.25),
         broker_heartbeat_s=get.integer("HPC_BROKER_HEARTBEAT", 30, minimum=1),
@@ -304,16 +324,15 @@ def _build(raw: Mapping[str, str]) -> tuple[BridgeConfig, _Getter]:
         save_optimizer=get.boolean("HPC_SAVE_OPTIMIZER", False),
         mixed_precision=get.choice("HPC_MIXED_PRECISION", "off", MIXED_PRECISION_CHOICES),
         warn_seconds=get.integer("HPC_WARN_SECONDS", 300, minimum=0),
-        max_continuations=get.integer("HPC_MAX_CONTINUATIONS", 5, minimum=0),
+        max_continuations=get.integer("HPC_MAX_CONTINUATIONS", DEFAULT_MAX_CONTINUATIONS, minimum=0),
         node_local_dir=Path(node_local).expanduser() if node_local else None,
-        checkpoint_sync_s=get.number("HPC_CHECKPOINT_SYNC", 60.0),
+        checkpoint_sync_s=get.number("HPC_CHECKPOINT_SYNC", DEFAULT_CHECKPOINT_SYNC_S),
         training_seed=get.optional_integer("HPC_TRAINING_SEED", minimum=0),
         log_file=Path(log_file).expanduser() if log_file else None,
         log_level=get.choice("HPC_LOG_LEVEL", "INFO", LOG_LEVELS, lower=False),
         metrics_file=Path(metrics_file).expanduser() if metrics_file else None,
         job_prologue=get.parsed("HPC_JOB_PROLOGUE", parse_prologue, "", "", strip=False),
         job_directives=get.parsed("HPC_JOB_DIRECTIVES", parse_directives, no_directives, ""),
-        slurm_continue=get.choice("HPC_SLURM_CONTINUE", "requeue", SLURM_CONTINUE_CHOICES),
         max_active_jobs=get.integer("HPC_MAX_ACTIVE_JOBS", 0, minimum=0),
         runs_shared=get.choice("HPC_RUNS_SHARED", "private", RUNS_SHARED_CHOICES),
         status_queue=status_queue,
@@ -325,8 +344,6 @@ def _build(raw: Mapping[str, str]) -> tuple[BridgeConfig, _Getter]:
         if contains_secret(text, config.secrets):
             get.problem(f"{name} contains a password from the credentials: batch scripts must never hold secrets")
     if scheduler and config.job_directives:  # an option the bridge sets itself is refused now, not per job
-        from bridge.schedulers import get_scheduler
-
         backend = get_scheduler(config.scheduler, options=config.scheduler_options)
         for problem in backend.directive_problems(config.job_directives):
             get.problem(problem)
@@ -352,7 +369,6 @@ OTHER_KEYS = frozenset(
 RETIRED_KEYS = {"HPC_MAX_ATTEMPTS": "replaced by HPC_DEFER_LIMIT (seconds a request may be deferred)"}
 PLACEHOLDER = "CHANGE_ME"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-SLURM_CONTINUE_CHOICES = ("requeue", "successor")
 RUNS_SHARED_CHOICES = ("private", "group")
 # What a directive may not hold: it is written verbatim after '#SBATCH ' / '#$ ' in a bash script.
 _DIRECTIVE_FORBIDDEN = set("\0#'\"\\$`;&|<>()\r")
@@ -431,7 +447,7 @@ def parse_directives(text: str) -> tuple[str, ...]:
 
 
 def broker_url_from(raw: Mapping[str, str]) -> str:
-    """``RABBITMQ_URL``, or one built from the seed's RABBITMQ_HOST/USER/PASSWORD names."""
+    """``RABBITMQ_URL``, or one built from RABBITMQ_HOST/USER/PASSWORD (the original cron checker's names)."""
     url = raw.get("RABBITMQ_URL", "").strip()
     if url:
         parts = urlsplit(url)

@@ -26,6 +26,7 @@ from bridge.amqp import connect, declare_rodan_queue
 from bridge.ledger import Ledger, RequestRecord, RequestState
 from bridge.progress import Progress, read_new_events
 from bridge.protocol import build_request_body
+from bridge.schedulers import short_name
 from bridge.spool import Spool, atomic_write, read_json, safe_key
 
 log = structlog.get_logger(__name__)
@@ -170,8 +171,6 @@ def save_models(reply: ReplyResult, out_dir: Path) -> dict[str, Path]:
 
 # --- progress while waiting: what the login node can see of the request ---------------------------
 
-_SCHEDULER_NAMES = {"slurm": "slurm", "gridengine": "sge"}
-
 
 @dataclass
 class RequestView:
@@ -211,7 +210,7 @@ class RequestView:
         """``slurm job 61  continued 1x  layer 1/2 epoch 3/10``."""
         parts = []
         if self.job_id:
-            parts.append(f"{_SCHEDULER_NAMES.get(self.scheduler, self.scheduler or 'job')} job {self.job_id}".strip())
+            parts.append(f"{short_name(self.scheduler) or 'job'} job {self.job_id}".strip())
         if self.continuations:
             parts.append(f"continued {self.continuations}x")
         if self.epoch:

@@ -17,6 +17,10 @@ nothing done yet), ``before_submit`` / ``after_submit`` / ``after_record`` (inta
 SUBMITTING written / the scheduler accepted the job / ledger SUBMITTED written), ``before_ack``
 (runner), ``before_publish`` / ``after_publish`` / ``after_marker`` (replies: a staged reply about
 to be published / confirmed by the broker / its replied marker written).
+
+A name that is not one of these points is an error, never a point that silently does nothing:
+``fault_point`` raises :class:`ValueError` for it (at every call, whether or not ``HPC_FAULT_KILL``
+is set), and so does an ``HPC_FAULT_KILL`` entry that names it.
 """
 
 from __future__ import annotations
@@ -41,6 +45,12 @@ POINTS = (
     "after_publish",
     "after_marker",
 )
+_DECLARED = frozenset(POINTS)
+
+
+def _check_name(name: str, where: str) -> None:
+    if name not in _DECLARED:
+        raise ValueError(f"{where}: {name!r} is not a fault point (declared: {', '.join(POINTS)})")
 
 
 @dataclass
@@ -64,6 +74,7 @@ class FaultPlan:
                 if not 0.0 <= plan.probability <= 1.0:
                     raise ValueError(f"{ENV_KILL}: probability {count!r} is not within 0..1")
             else:
+                _check_name(name, ENV_KILL)
                 plan.at[name] = int(count) if count else 1
                 if plan.at[name] < 1:
                     raise ValueError(f"{ENV_KILL}: {entry!r} needs a count of at least 1")
@@ -91,7 +102,11 @@ def _current() -> FaultPlan | None:
 
 
 def fault_point(name: str) -> None:
-    """SIGKILL this process here when ``HPC_FAULT_KILL`` says so; otherwise do nothing."""
+    """SIGKILL this process here when ``HPC_FAULT_KILL`` says so; otherwise do nothing.
+
+    Raises ValueError when ``name`` is not one of :data:`POINTS`.
+    """
+    _check_name(name, "fault_point")
     if ENV_KILL not in os.environ:
         return
     plan = _current()

@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
@@ -35,8 +35,16 @@ from bridge.active import ActiveJobs
 from bridge.config import BridgeConfig
 from bridge.errors import PermanentError, RodanAuthError, SchedulerRejected, SubmitLimitReached, TransientError
 from bridge.faults import fault_point
+from bridge.handoff import (
+    BrokerAccess,
+    ContinuationState,
+    InputLimits,
+    JobParameters,
+    RodanAccess,
+    SchedulerAccess,
+)
 from bridge.ledger import Ledger, RequestRecord, RequestState
-from bridge.protocol import JobRequest, TrainingSettings, bounded, error_reply, parse_request
+from bridge.protocol import JobRequest, RequestSettings, bounded, error_reply, parse_request
 from bridge.replies import ReplyBox
 from bridge.rodan import RodanClient
 from bridge.schedulers import JobSpec, Scheduler
@@ -232,7 +240,7 @@ class Intake:
                 )
             if record.state is not RequestState.SUBMITTING or at_limit:
                 record.state = RequestState.RECEIVED  # a submit limit's refusal made no job: nothing to look up
-            record.deliveries = 0  # this delivery is settled: the save that ends it clears the count
+            record.deliveries = 0  # this delivery is accounted for: the save that ends it clears the count
             self.ledger.save(record)
             limit = {"submit_limit": True, "active_jobs": self.active.count()} if at_limit else {}
             log.warning(
@@ -277,7 +285,7 @@ class Intake:
         params_path = self.spool.params_path(key)
         spec = self.job_spec(request, key)
         script = job_dir / "job.sh"
-        atomic_write_json(params_path, self._parameters(request, token, spec, script), mode=0o600)
+        atomic_write_json(params_path, self._parameters(request, token, spec, script).to_json(), mode=0o600)
         try:
             atomic_write(script, self.scheduler.render(spec).encode("utf-8"), mode=0o700)
         except ValueError as exc:  # a value that must never reach a script
@@ -312,51 +320,49 @@ class Intake:
     def job_spec(self, request: JobRequest, key: str) -> JobSpec:
         return rodan_job_spec(self.config, self.spool, request.settings, key)
 
-    def _parameters(self, request: JobRequest, token: str, spec: JobSpec, script: Path) -> dict[str, object]:
-        return {
-            "correlation_id": request.correlation_id,
-            "reply_to": request.reply_to,
-            "generation": request.generation.value,
-            "inputs": request.inputs,
-            "layers": [[layer.input_name, layer.reply_key] for layer in request.layers],
-            "settings": asdict(request.settings),
-            "rodan": {
-                "base_url": self.config.rodan_base_url,
-                "token": token,
-                "timeout_s": self.config.rodan_timeout_s,
-                "retries": self.config.rodan_retries,
-            },
-            "broker": {"url": self.config.broker_url, "ca_file": self.config.broker_ca_file},
-            "spool": str(self.spool.root),
-            "runs_dir": str(self.config.runs_dir or self.spool.root / "runs"),
-            "runs_shared": self.config.runs_shared,  # "group": run directories 0750/0640 (worker/trainer/rundir.py)
-            "save_optimizer": self.config.save_optimizer,
-            "mixed_precision": self.config.mixed_precision,
-            "seed": self.config.training_seed,
-            "max_reply_bytes": self.config.max_reply_bytes,
+    def _parameters(self, request: JobRequest, token: str, spec: JobSpec, script: Path) -> JobParameters:
+        config = self.config
+        return JobParameters(
+            correlation_id=request.correlation_id,
+            reply_to=request.reply_to,
+            generation=request.generation,
+            inputs=request.inputs,
+            layers=tuple((layer.input_name, layer.reply_key) for layer in request.layers),
+            settings=request.settings,
+            rodan=RodanAccess(
+                base_url=config.rodan_base_url,
+                token=token,
+                timeout_s=config.rodan_timeout_s,
+                retries=config.rodan_retries,
+            ),
+            broker=BrokerAccess(url=config.broker_url, ca_file=config.broker_ca_file),
+            spool=self.spool.root,
+            runs_dir=config.runs_dir or self.spool.root / "runs",
+            runs_shared=config.runs_shared == "group",  # run directories 0750/0640 (worker/trainer/rundir.py)
+            save_optimizer=config.save_optimizer,
+            mixed_precision=config.mixed_precision,
+            seed=config.training_seed,
+            max_reply_bytes=config.max_reply_bytes,
             # What the worker may download and open (HPC_MAX_INPUT_BYTES, HPC_MAX_INPUT_PIXELS).
-            "limits": {
-                "max_input_bytes": self.config.max_input_bytes,
-                "max_input_pixels": self.config.max_input_pixels,
-            },
+            limits=InputLimits(max_input_bytes=config.max_input_bytes, max_input_pixels=config.max_input_pixels),
             # How the job continues itself after a time-limit warning (worker/continuation.py).
-            "job": {
-                "scheduler": self.scheduler.name,
-                "options": self.config.scheduler_options,
-                "timeout_s": self.config.scheduler_timeout_s,
-                "script": str(script),
-                "spec": spec.to_json(),
-            },
-            "continuation": {
-                "count": 0,
-                "max": self.config.max_continuations,
-                "node_local_dir": str(self.config.node_local_dir) if self.config.node_local_dir else None,
-                "sync_s": self.config.checkpoint_sync_s,
-            },
-            "created_at": time.time(),
-            "bridge_pid": os.getpid(),
-            "bridge_version": package_version(),  # the worker warns when its own differs
-        }
+            job=SchedulerAccess(
+                scheduler=self.scheduler.name,
+                options=config.scheduler_options,
+                timeout_s=config.scheduler_timeout_s,
+                script=script,
+                spec=spec,
+            ),
+            continuation=ContinuationState(
+                count=0,
+                max=config.max_continuations,
+                node_local_dir=config.node_local_dir,
+                sync_s=config.checkpoint_sync_s,
+            ),
+            created_at=time.time(),
+            bridge_pid=os.getpid(),
+            bridge_version=package_version(),  # the worker warns when its own differs
+        )
 
     def _wait_for_room(self, record: RequestRecord) -> Decision:
         """``HPC_MAX_ACTIVE_JOBS`` jobs are active: the request waits in the queue until one ends. Not a
@@ -398,7 +404,7 @@ def _minutes(seconds: float) -> str:
     return f"{int(seconds // 60)} min {int(seconds % 60)} s" if seconds >= 60 else f"{int(seconds)} s"
 
 
-def rodan_job_spec(config: BridgeConfig, spool: Spool, s: TrainingSettings, key: str) -> JobSpec:
+def rodan_job_spec(config: BridgeConfig, spool: Spool, s: RequestSettings, key: str) -> JobSpec:
     """The batch job of a Rodan request with settings ``s``: the one place the site's settings meet
     the request's (``doctor``'s sample script and ``doctor --job``'s probe use it too)."""
     job_dir = spool.job_dir(key)
@@ -413,7 +419,7 @@ def rodan_job_spec(config: BridgeConfig, spool: Spool, s: TrainingSettings, key:
         account=config.account,
         partition=config.partition,
         warn_seconds=config.warn_seconds_for(s.max_time_minutes),
-        continue_by=config.slurm_continue,  # HPC_SLURM_CONTINUE (Grid Engine: always a successor)
+        continue_by=config.continue_by,  # the backend's setting (HPC_SLURM_CONTINUE), if it has one
         extra_args=config.scheduler_args,
         directives=config.job_directives,  # HPC_JOB_DIRECTIVES
         prologue=config.job_prologue,  # HPC_JOB_PROLOGUE

@@ -14,6 +14,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from bridge.schedulers import job_state_value
 from bridge.spool import Spool, atomic_write_json, read_json, safe_key
 from bridge.version import package_version
 
@@ -45,7 +46,7 @@ class RequestRecord:
     attempts: int = 0
     outcome: str = ""  # "ok" or "error" once replied
     reason: str = ""  # last error, or what the final error reply said
-    job_state: str = ""  # last scheduler state seen
+    job_state: str = ""  # last job state seen, a JobState value ("RUNNING"; see from_json for older records)
     job_ended: bool = False  # reconciliation saw the job in a terminal state (or gone for good)
     continuations: int = 0  # times the training continued in a new job (or a requeue) after a time-limit warning
     job_ids: list[str] = field(default_factory=list)  # every job of this request, oldest first
@@ -73,6 +74,11 @@ class RequestRecord:
         values = {k: v for k, v in data.items() if k in known}
         values["state"] = RequestState(values.get("state", RequestState.RECEIVED.value))
         values.setdefault("bridge_version", "")  # written before versions were recorded: not this one
+        # Written before the ledger kept JobState values: the scheduler's own word (Grid Engine's "r",
+        # Slurm's "CANCELLED by 0") is translated by its backend; a word it does not know is kept
+        # (upper case), and is read as "submitted" (neither running nor pending) by status and metrics.
+        if values.get("job_state"):
+            values["job_state"] = job_state_value(str(values.get("scheduler") or ""), str(values["job_state"]))
         return cls(**values)
 
 

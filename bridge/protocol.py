@@ -1,4 +1,4 @@
-"""The wire contract with Rodan (see PROTOCOL.md): request parsing, validation, replies.
+"""The wire contract with Rodan (docs/protocol.md): request parsing, validation, replies.
 
 Two generations of Rodan's job are in the field; both are accepted and each is
 answered with its own reply keys. Everything here is pure (no I/O) so it is
@@ -47,8 +47,13 @@ OLD_ONLY_INPUTS = frozenset(OLD_LAYERS) - {BACKGROUND}
 
 
 @dataclass(frozen=True)
-class TrainingSettings:
-    """Rodan's settings after defaults are applied (PROTOCOL.md §2)."""
+class RequestSettings:
+    """A request's settings, Rodan's defaults applied (docs/protocol.md §2.4): the only copy of those defaults.
+
+    The scheduler's (``max_time``, ``max_memory_mb``, ``cpus``, ``notification_email``) go into the
+    job spec; the trainer's reach it through the parameter file (``bridge.handoff``), where the
+    worker builds its ``worker.trainer.TrainSettings`` from them.
+    """
 
     epochs: int = 15
     max_samples_per_label: int = 10000
@@ -82,7 +87,7 @@ SETTING_FIELDS: dict[str, tuple[str, dict[str, Any]]] = {
     "Maximum memory (MB)": ("max_memory_mb", {"type": "integer", "minimum": 1024, "maximum": 64_000_000}),
     "CPUs": ("cpus", {"type": "integer", "minimum": 1, "maximum": 4096}),
     "Slurm Notification Email": ("notification_email", {"type": "string", "maxLength": 254}),
-    # Optional settings a newer Rodan job may send (issue #3); defaults as the seed.
+    # Optional settings a newer Rodan job may send; the defaults are the original trainer's values.
     "Batch size": ("batch_size", {"type": "integer", "minimum": 1, "maximum": 4096}),
     "Patience": ("patience", {"type": "integer", "minimum": 1, "maximum": 1000}),
 }
@@ -125,7 +130,7 @@ class JobRequest:
     reply_to: str
     generation: Generation
     inputs: dict[str, str]
-    settings: TrainingSettings
+    settings: RequestSettings
     layers: tuple[LayerSpec, ...] = field(default_factory=tuple)
 
     @property
@@ -145,11 +150,6 @@ def parse_duration_minutes(text: str) -> int:
     if total < 1:
         raise InvalidRequest("'Maximum time (D-HH:MM)' must be at least one minute")
     return total
-
-
-def format_duration(minutes: int) -> str:
-    days, rest = divmod(minutes, 1440)
-    return f"{days}-{rest // 60:02d}:{rest % 60:02d}"
 
 
 def bounded(reason: str, limit: int = MAX_REASON_CHARS) -> str:
@@ -323,13 +323,13 @@ def _origin_of(url: str) -> str:
     return _origin(parts.scheme, parts.hostname or "", parts.port)
 
 
-def _settings(raw: Mapping[str, Any]) -> TrainingSettings:
+def _settings(raw: Mapping[str, Any]) -> RequestSettings:
     values: dict[str, Any] = {}
     for name, (attr, schema) in SETTING_FIELDS.items():
         if name in raw and raw[name] is not None:
             # JSON Schema counts 15.0 as an integer; hand the trainer a real int.
             values[attr] = int(raw[name]) if schema["type"] == "integer" else raw[name]
-    settings = TrainingSettings(**values)
+    settings = RequestSettings(**values)
     settings.max_time_minutes  # noqa: B018 - validates the format, raising InvalidRequest
     email = settings.notification_email
     if email and not _EMAIL.fullmatch(email):
@@ -356,7 +356,7 @@ def error_reply(reason: str) -> bytes:
 def reply_is_error(body: bytes) -> bool:
     """Whether a reply body is ``{"error": ...}``. A models reply (tens of MB) is not decoded: an
     error reply's only key comes first, so a large body without it near the start is models
-    (decoding a 31 MB reply took 76 ms and a body-sized copy: benchmarks/README.md, reply publication)."""
+    (decoding one costs time and a body-sized copy: benchmarks/README.md, "Reply publication")."""
     if len(body) > 1 << 20 and b'"error"' not in body[:64]:
         return False
     try:

@@ -9,7 +9,7 @@ judged after ``missing_timeout_s``. "Missing" is never read as done.
 A training job that continued itself past its time limit is still the same
 request: a Slurm requeue keeps the job id (REQUEUED/PENDING are not outcomes),
 and a successor (Grid Engine; Slurm with ``HPC_SLURM_CONTINUE=successor``) is followed
-through the job's continuation record (``bridge/continuation.py``) or, if that was never
+through the job's continuation record (``bridge/continuation_record.py``) or, if that was never
 written, by the job name. Only the last job of the chain can end the request.
 """
 
@@ -20,7 +20,7 @@ import time
 import structlog
 
 from bridge.config import BridgeConfig
-from bridge.continuation import read_continuation
+from bridge.continuation_record import read_continuation
 from bridge.errors import SchedulerUnavailable
 from bridge.ledger import Ledger, RequestRecord, RequestState
 from bridge.protocol import error_reply
@@ -69,9 +69,9 @@ class Reconciler:
         self.scheduler = scheduler
         self.replies = replies
 
-    def settle(self) -> int:
+    def mark_replied(self) -> int:
         """Mark requests whose reply marker exists as replied. Cheap: files only."""
-        settled = 0
+        replied = 0
         for record in self.ledger.in_state(RequestState.SUBMITTED, RequestState.SUBMITTING, RequestState.RECEIVED):
             marker = self.replies.marker(record.correlation_id)
             if marker is None:
@@ -82,7 +82,7 @@ class Reconciler:
             self.ledger.save(record)
             # A job that died never deleted its parameter file (it holds the broker password).
             self.spool.params_path(record.key).unlink(missing_ok=True)
-            settled += 1
+            replied += 1
             log.info(
                 "request_replied",
                 correlation_id=record.correlation_id,
@@ -90,11 +90,11 @@ class Reconciler:
                 outcome=record.outcome,
                 latency_s=round(record.replied_at - record.created_at, 3),
             )
-        return settled
+        return replied
 
     def reconcile(self) -> int:
         """Query the scheduler about every watched job; stage error replies for dead ones."""
-        self.settle()
+        self.mark_replied()
         watched = [r for r in self.ledger.in_state(RequestState.SUBMITTED) if r.job_id]
         if not watched:
             return 0
@@ -118,9 +118,9 @@ class Reconciler:
                 if info is None or info.state is JobState.MISSING:
                     judged += self._missing(record, now, has_reply=record.key in staged)
                     continue
-                if record.job_state != info.native_state:
+                if record.job_state != info.state.value:  # the ledger keeps the JobState, not the scheduler's word
                     log.info("job_state", state=info.state.value, native=info.native_state, source=info.source)
-                record.job_state = info.native_state
+                record.job_state = info.state.value
                 record.missing_since = 0.0
                 record.job_ended = info.state.is_terminal
                 if info.state is not JobState.PENDING:

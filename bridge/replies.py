@@ -37,6 +37,7 @@ from pika.adapters.blocking_connection import BlockingChannel
 from bridge.amqp import CONNECTION_ERRORS, publish
 from bridge.errors import BrokerUnavailable, NoRoute, PermanentError
 from bridge.faults import fault_point
+from bridge.handoff import DEFAULT_MAX_REPLY_BYTES
 from bridge.protocol import error_reply, reply_is_error
 from bridge.spool import Spool, atomic_write, atomic_write_json, read_json, safe_key
 
@@ -78,7 +79,7 @@ class StagedReply:
 
 
 class ReplyBox:
-    def __init__(self, spool: Spool, *, max_bytes: int = 128 * 1024 * 1024, wait_s: float = 86400.0) -> None:
+    def __init__(self, spool: Spool, *, max_bytes: int = DEFAULT_MAX_REPLY_BYTES, wait_s: float = 86400.0) -> None:
         self.spool = spool
         self.max_bytes = max_bytes
         self.wait_s = wait_s

@@ -14,7 +14,6 @@ compressed one can fill the disk.
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from collections.abc import Callable
@@ -29,16 +28,14 @@ import urllib3
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_attempt
 from urllib3.util import parse_url
 
+from bridge.atomic import atomic_file
 from bridge.errors import PermanentError, RodanAuthError, TransientError
+from bridge.handoff import DEFAULT_RODAN_RETRIES, DEFAULT_RODAN_TIMEOUT_S
 from bridge.logs import register_secret
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
 CHUNK = 1 << 20  # 1 MiB (the historic side used 128 bytes)
-#: What one input may be by default, raw bytes on the wire (the bridge's HPC_MAX_INPUT_BYTES).
-DEFAULT_MAX_INPUT_BYTES = 1 << 30
-#: What one input image may be by default, width x height (HPC_MAX_INPUT_PIXELS; the worker opens it).
-DEFAULT_MAX_INPUT_PIXELS = 400_000_000
 #: The longest wait a ``Retry-After`` from Rodan can impose between two tries.
 MAX_RETRY_AFTER_S = 60.0
 MAX_BACKOFF_S = 30.0
@@ -89,8 +86,8 @@ class RodanClient:
         email: str = "",
         password: str = "",
         token: str = "",
-        timeout_s: float = 30.0,
-        retries: int = 4,
+        timeout_s: float = DEFAULT_RODAN_TIMEOUT_S,
+        retries: int = DEFAULT_RODAN_RETRIES,
         backoff_s: float = 1.0,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
@@ -163,8 +160,8 @@ class RodanClient:
 
         The cap is on the bytes on the wire: a ``Content-Length`` over it is refused before the body
         is read, and a body without one is cut off as soon as it passes the cap (the partial file is
-        removed). No digest: nothing could check one (Rodan sends none), and sha256 at ~800 MB/s on
-        the project machine held a download to 0.7x curl (benchmarks/README.md, downloads).
+        removed). No digest: nothing could check one (Rodan sends none), and hashing every chunk was
+        the slowest part of a download (benchmarks/README.md, "Downloads").
         """
         url = self._rodan_url(resource)
         if url is None:
@@ -181,7 +178,6 @@ class RodanClient:
     def _download_once(self, url: str, dest: Path, max_bytes: int) -> DownloadResult:
         started = time.monotonic()
         what = f"download of {_short(url)}"
-        tmp = dest.with_name(f".{dest.name}.part")
         received = 0
         expected: int | None = None
         try:
@@ -194,7 +190,8 @@ class RodanClient:
                         f"{what} refused: Rodan says it is {expected} bytes, "
                         f"larger than the limit of {max_bytes} bytes (HPC_MAX_INPUT_BYTES)"
                     )
-                with tmp.open("wb") as handle:
+                # An exception inside the block removes the partial file; dest appears only whole.
+                with atomic_file(dest, mode=None) as handle:
                     for chunk in response.raw.stream(CHUNK, decode_content=False):
                         received += len(chunk)
                         if received > max_bytes:
@@ -203,11 +200,8 @@ class RodanClient:
                                 "(HPC_MAX_INPUT_BYTES)"
                             )
                         handle.write(chunk)
-                    handle.flush()
-                    os.fsync(handle.fileno())
-            if expected is not None and received != expected:
-                raise TransientError(f"{what} truncated: {received} of {expected} bytes")
-            os.replace(tmp, dest)
+                    if expected is not None and received != expected:
+                        raise TransientError(f"{what} truncated: {received} of {expected} bytes")
         except requests.RequestException as exc:
             raise TransientError(f"{what} failed: {type(exc).__name__}") from exc
         except urllib3.exceptions.HTTPError as exc:
@@ -216,8 +210,6 @@ class RodanClient:
                 of = f" of {expected}" if expected is not None else ""
                 raise TransientError(f"{what} truncated: {got}{of} bytes") from exc
             raise TransientError(f"{what} failed: {type(exc).__name__}") from exc
-        finally:
-            tmp.unlink(missing_ok=True)
         return DownloadResult(dest, received, time.monotonic() - started)
 
     def _check_once(self, url: str, name: str, max_bytes: int) -> InputInfo:

@@ -14,7 +14,7 @@ How requests come in. ``check`` (one cron pass, then exit) reads the queue with 
 until it is empty. The daemon (``run``) is a consumer: ``basic_consume`` with prefetch 1, so
 RabbitMQ's management page shows a consumer on the request queue while it runs, and a request is
 pushed the moment it is published (no polling). The delivery callback only appends to an inbox;
-the pass takes requests from it and settles each exactly as ``check`` does (the same durable
+the pass takes requests from it and handles each exactly as ``check`` does (the same durable
 steps, then the ack), so prefetch 1 means one request in hand at a time, as before.
 
 Deferred requests (Rodan or the scheduler down for now, a submit limit, HPC_MAX_ACTIVE_JOBS)
@@ -279,19 +279,19 @@ class Bridge:
         drained = self._drain(stats, seen, need_end=reconcile)
         self._release_deferred(force=drain_all)
         if reconcile:
-            stats.judged = self._blocking(self.reconciler.reconcile)
+            stats.judged = self._off_connection_thread(self.reconciler.reconcile)
             if drained:
-                stats.judged += self._blocking(self.reconciler.judge_lost, seen | self._held_ids())
+                stats.judged += self._off_connection_thread(self.reconciler.judge_lost, seen | self._held_ids())
             self.reconciliations += 1
         stats.replies_sent += self._flush()
         if stats.replies_sent:
-            # Only our own publications need settling now; replies the workers sent are
-            # settled by reconcile() on its interval (settle reads the whole ledger).
-            self._blocking(self.reconciler.settle)
+            # Only our own publications need marking as replied now; replies the workers sent are
+            # marked by reconcile() on its interval (mark_replied reads the whole ledger).
+            self._off_connection_thread(self.reconciler.mark_replied)
         if reconcile:
-            self._blocking(self.write_metrics)
+            self._off_connection_thread(self.write_metrics)
             if time.monotonic() >= self._next_prune:
-                self._blocking(self.prune)
+                self._off_connection_thread(self.prune)
                 self._next_prune = time.monotonic() + PRUNE_INTERVAL_S
         return stats
 
@@ -342,7 +342,7 @@ class Bridge:
             stats.received += 1
             seen.add(msg.correlation_id or "")
             decision = self._decide(msg)
-            self._settle_message(channel, msg, decision)
+            self._apply_decision(channel, msg, decision)
             if decision.outcome is Outcome.SUBMITTED:
                 stats.submitted += 1
             elif decision.outcome in (Outcome.REJECTED, Outcome.UNANSWERABLE):
@@ -357,7 +357,7 @@ class Bridge:
         """``Intake.process`` on the helper thread. It raises only when the spool cannot be written
         (a full disk): the message is then given back later, as for any transient failure."""
         try:
-            return self._blocking(self.intake.process, msg)
+            return self._off_connection_thread(self.intake.process, msg)
         except RECOVERABLE:
             raise
         except Exception as exc:
@@ -370,7 +370,7 @@ class Bridge:
             )
             return Decision(Outcome.DEFERRED, f"{type(exc).__name__}: {exc}")
 
-    def _settle_message(self, channel: BlockingChannel, msg: Message, decision: Decision) -> None:
+    def _apply_decision(self, channel: BlockingChannel, msg: Message, decision: Decision) -> None:
         """Everything that touches the broker for one message, on the owner thread."""
         if decision.outcome is Outcome.DEFERRED:
             attempts = decision.record.attempts if decision.record else 1
@@ -464,7 +464,7 @@ class Bridge:
             raise BrokerUnavailable("no open channel")
         return self._channel
 
-    def _blocking(self, fn: Callable[..., T], *args: object) -> T:
+    def _off_connection_thread(self, fn: Callable[..., T], *args: object) -> T:
         """Run ``fn`` on the helper thread while this thread services the connection."""
         context = contextvars.copy_context()  # keeps the bound log context on the helper thread
         future: Future[T] = self._executor.submit(context.run, fn, *args)
@@ -566,10 +566,10 @@ class Bridge:
         """Publish the status message (and update systemd's STATUS= line); never raises for the broker."""
         if not self.config.status_queue and not self.notifier.enabled:
             return
-        records = self._blocking(lambda: list(self.ledger.all()))
+        records = self._off_connection_thread(lambda: list(self.ledger.all()))
         from bridge.ops.metrics import outbox_size
 
-        outbox = self._blocking(outbox_size, self.spool)
+        outbox = self._off_connection_thread(outbox_size, self.spool)
         queues = QueueCounts()
         channel = None
         try:

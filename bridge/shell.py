@@ -2,12 +2,17 @@
 
 Argument lists only (never a shell), always a timeout, and a typed error that
 carries what the command printed, so callers can classify failures (e.g. quote
-the scheduler's rejection message in an error reply).
+the scheduler's rejection message in an error reply). This is the only module of
+the project that imports :mod:`subprocess` (an import contract in pyproject.toml
+and tests/test_import_contracts.py enforce it): :func:`run_command` for a short
+command (``stop`` makes it interruptible from another thread, as the GPU monitor
+needs), :func:`supervise` for a long-lived one inside a batch job.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import time
@@ -51,6 +56,10 @@ class CommandNotFound(CommandError):
     """The executable does not exist on this machine."""
 
 
+class CommandInterrupted(CommandError):
+    """The caller's ``stop`` said so while the command ran; the command's process group was killed."""
+
+
 def run_command(
     argv: Sequence[str],
     *,
@@ -58,13 +67,34 @@ def run_command(
     input_text: str | None = None,
     env: Mapping[str, str] | None = None,
     check: bool = True,
+    cwd: Path | None = None,
+    stop: Callable[[], bool] | None = None,
+    poll_interval: float = 0.05,
 ) -> CommandResult:
     """Run ``argv`` without a shell and return its output (bytes that do not decode become U+FFFD).
 
     Raises :class:`CommandTimeout`, :class:`CommandNotFound`, or (with
-    ``check``) :class:`CommandError` for a non-zero exit.
+    ``check``) :class:`CommandError` for a non-zero exit. ``cwd``: the directory it runs in.
+
+    With ``stop``, the command runs in a session (process group) of its own and ``stop()`` is
+    asked every ``poll_interval`` seconds, from the calling thread, while it runs: once it
+    returns true the whole group is killed (SIGKILL) and :class:`CommandInterrupted` is raised
+    with what the command had printed. Another thread stops the command by setting what
+    ``stop`` reads (e.g. ``threading.Event().is_set``). A command is not started when ``stop()``
+    is already true. On a timeout the whole group is killed too.
     """
     args = tuple(str(a) for a in argv)
+    if stop is not None:
+        return _run_interruptible(
+            args,
+            timeout=timeout,
+            input_text=input_text,
+            env=env,
+            check=check,
+            cwd=cwd,
+            stop=stop,
+            poll_interval=poll_interval,
+        )
     started = time.monotonic()
     try:
         proc = subprocess.run(
@@ -75,6 +105,7 @@ def run_command(
             errors="replace",  # output that is not valid in the locale's encoding never raises
             timeout=timeout,
             env=dict(env) if env is not None else None,
+            cwd=cwd,
             check=False,
         )
     except subprocess.TimeoutExpired as exc:
@@ -89,6 +120,83 @@ def run_command(
     if check and proc.returncode != 0:
         raise CommandError(result, f"exit status {proc.returncode}")
     return result
+
+
+def _run_interruptible(
+    args: tuple[str, ...],
+    *,
+    timeout: float,
+    input_text: str | None,
+    env: Mapping[str, str] | None,
+    check: bool,
+    cwd: Path | None,
+    stop: Callable[[], bool],
+    poll_interval: float,
+) -> CommandResult:
+    """:func:`run_command` with ``stop``: a polling loop around one ``Popen``."""
+    started = time.monotonic()
+    if stop():
+        raise CommandInterrupted(CommandResult(args, -1, "", "", 0.0), "stopped before it started")
+    try:
+        proc = subprocess.Popen(
+            args,
+            stdin=subprocess.PIPE if input_text is not None else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            errors="replace",
+            env=dict(env) if env is not None else None,
+            cwd=cwd,
+            start_new_session=True,  # its own process group: killing it reaches what it started
+        )
+    except FileNotFoundError:
+        result = CommandResult(args, -1, "", f"{args[0]}: command not found", time.monotonic() - started)
+        raise CommandNotFound(result, "not found") from None
+    except OSError as exc:
+        result = CommandResult(args, -1, "", f"{args[0]}: {exc.strerror or exc}", time.monotonic() - started)
+        raise CommandError(result, "could not start") from None
+    deadline = started + timeout
+    pending_input = input_text  # communicate() takes the input on its first call only
+    while True:
+        remaining = deadline - time.monotonic()
+        interrupted = stop()
+        if interrupted or remaining <= 0:
+            out, err = _kill_group(proc)
+            result = CommandResult(args, -1, out, err, time.monotonic() - started)
+            if interrupted:
+                raise CommandInterrupted(result, "stopped")
+            log.warning("command_timeout", command=args[0], timeout_s=timeout)
+            raise CommandTimeout(result, f"timed out after {timeout:g} s")
+        try:
+            out, err = proc.communicate(pending_input, timeout=min(poll_interval, remaining))
+        except subprocess.TimeoutExpired:
+            pending_input = None
+            continue
+        break
+    result = CommandResult(args, proc.returncode, out, err, time.monotonic() - started)
+    log.debug("command_ran", command=args[0], rc=proc.returncode, seconds=round(result.seconds, 3))
+    if check and proc.returncode != 0:
+        raise CommandError(result, f"exit status {proc.returncode}")
+    return result
+
+
+def _kill_group(proc: subprocess.Popen[str], grace: float = 5.0) -> tuple[str, str]:
+    """SIGKILL ``proc``'s process group, reap it and return what it printed.
+
+    A descendant that left the group and holds the pipes open is not waited for longer than
+    ``grace`` seconds: the output read by then is returned.
+    """
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    try:
+        out, err = proc.communicate(timeout=grace)
+    except subprocess.TimeoutExpired as exc:
+        out, err = _text(exc.stdout), _text(exc.stderr)
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+    proc.wait()
+    return out or "", err or ""
 
 
 def _text(value: bytes | str | None) -> str:

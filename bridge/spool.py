@@ -12,7 +12,7 @@ here: the group may pass through to ``runs/`` by name and list nothing)::
       replies/KEY.json     marker: the final reply of this request was published
 
 KEY is the correlation id when it is a safe file name, else its SHA-256.
-Every write is atomic: temp file, flush, fsync, ``os.replace``, directory fsync.
+Every write is atomic (:mod:`bridge.atomic`): temp file, flush, fsync, ``os.replace``, directory fsync.
 """
 
 from __future__ import annotations
@@ -25,11 +25,13 @@ import json
 import os
 import re
 import stat
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from bridge.atomic import atomic_write as atomic_write  # re-exported
+from bridge.atomic import atomic_write_json as atomic_write_json  # re-exported
+from bridge.atomic import fsync_dir as fsync_dir  # re-exported
 from bridge.errors import ConfigError
 
 #: What flock(2) raises where the filesystem keeps no locks (NFS without lockd, Lustre mounted
@@ -51,39 +53,9 @@ def safe_key(correlation_id: str) -> str:
     return "sha256-" + hashlib.sha256(correlation_id.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def atomic_write(path: Path, data: bytes, *, mode: int = 0o600) -> None:
-    """Replace ``path`` with ``data`` so that a crash leaves the old or the new file, never a mix."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    fsync_dir(path.parent)
-
-
-def atomic_write_json(path: Path, obj: Any, *, mode: int = 0o600) -> None:
-    atomic_write(path, json.dumps(obj, indent=1, sort_keys=True).encode("utf-8"), mode=mode)
-
-
 def read_json(path: Path) -> Any:
     with path.open("rb") as handle:
         return json.load(handle)
-
-
-def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def mount_of(path: Path) -> tuple[str, str]:

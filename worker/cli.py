@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from bridge.logs import configure_logging
+from bridge.logs import capture_native_stderr, configure_logging
 from bridge.version import package_version
 
 
@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     configure_logging(level=args.log_level, stream=sys.stdout, component="worker")
+    # TensorFlow's C++ start-up lines (and any other write to file descriptor 2) become JSON events.
+    capture_native_stderr()
     from worker.job import run_job  # after logging is set up
 
     return run_job(args.params)

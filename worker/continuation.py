@@ -25,16 +25,16 @@ import os
 import signal
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
 import structlog
 
-from bridge.continuation import Continuation, write_continuation
+from bridge.continuation_record import Continuation, write_continuation
 from bridge.errors import SchedulerUnavailable
-from bridge.schedulers import JobSpec, Scheduler, get_scheduler
+from bridge.handoff import JobParameters
+from bridge.schedulers import BACKENDS, JobSpec, Scheduler, get_scheduler
 from bridge.spool import Spool, atomic_write_json
 
 log = structlog.get_logger("worker")
@@ -44,8 +44,9 @@ log = structlog.get_logger("worker")
 CONTINUE_ATTEMPTS = 3
 CONTINUE_RETRY_S = 2.0
 
-#: The signals a scheduler warns with (Slurm: USR1 as we ask; Grid Engine -notify: USR2).
-WARNING_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+#: The signals a scheduler warns with (each backend's ``warning_signal``; Slurm: USR1 as we ask;
+#: Grid Engine -notify: USR2), once each.
+WARNING_SIGNALS = tuple(dict.fromkeys(cls.warning_signal for cls in BACKENDS.values()))
 
 
 #: Test-only: the job is warned after this many looks at the flag (the trainer looks after every
@@ -121,20 +122,18 @@ class ContinuationPlan:
     sync_s: float
 
     @classmethod
-    def from_parameters(cls, raw: Mapping[str, Any]) -> ContinuationPlan | None:
-        job, cont = raw.get("job"), raw.get("continuation")
-        if not job or not cont:
-            return None
+    def from_parameters(cls, params: JobParameters) -> ContinuationPlan:
+        job, cont = params.job, params.continuation
         return cls(
-            scheduler=str(job["scheduler"]),
-            options={str(k): str(v) for k, v in (job.get("options") or {}).items()},
-            timeout_s=float(job.get("timeout_s", 60.0)),
-            script=Path(job["script"]),
-            spec=JobSpec.from_json(job["spec"]),
-            count=int(cont.get("count", 0)),
-            maximum=int(cont.get("max", 0)),
-            node_local_dir=Path(cont["node_local_dir"]) if cont.get("node_local_dir") else None,
-            sync_s=float(cont.get("sync_s", 60.0)),
+            scheduler=job.scheduler,
+            options=dict(job.options),
+            timeout_s=job.timeout_s,
+            script=job.script,
+            spec=job.spec,
+            count=cont.count,
+            maximum=cont.max,
+            node_local_dir=cont.node_local_dir,
+            sync_s=cont.sync_s,
         )
 
     @property
@@ -164,13 +163,16 @@ def continue_job(
     plan: ContinuationPlan,
     *,
     params_path: Path,
-    raw_params: Mapping[str, Any],
+    params: JobParameters,
     spool: Spool,
     key: str,
     run_dir: Path,
     stopped_at: str,
 ) -> str:
     """Rewrite the parameter file for the next job, record the continuation, ask the scheduler.
+
+    The file is ``params`` with the next count and ``run_dir``, and never the Rodan token: the next
+    job resumes from the downloaded inputs (``job.forget_token`` removed it from disk already).
 
     Returns the id of the job that continues. On Slurm the requeue ends this process
     soon after, so everything else must be done before. Raises SchedulerUnavailable or
@@ -180,10 +182,13 @@ def continue_job(
     if not job_id:
         raise RuntimeError("HPC_JOB_ID is not set: not inside a batch job rendered by hpc-bridge")
     count = plan.count + 1
-    updated = dict(raw_params)
-    updated["continuation"] = {**dict(raw_params["continuation"]), "count": count}
-    updated["run_dir"] = str(run_dir)
-    atomic_write_json(params_path, updated)  # no token in it any more (see job.forget_token)
+    updated = replace(
+        params,
+        rodan=replace(params.rodan, token=""),
+        continuation=replace(params.continuation, count=count),
+        run_dir=run_dir,
+    )
+    atomic_write_json(params_path, updated.to_json())
     write_continuation(spool, key, Continuation(count=count, previous_job_id=job_id, stopped_at=stopped_at))
     scheduler = get_scheduler(plan.scheduler, timeout_s=plan.timeout_s, options=plan.options)
     log.info(

@@ -30,7 +30,6 @@ import importlib
 import math
 import os
 import shutil
-import subprocess
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -40,6 +39,8 @@ from types import TracebackType
 from typing import IO, Any
 
 import structlog
+
+from bridge.shell import CommandInterrupted, run_command
 
 CSV_COLUMNS = (
     "timestamp",
@@ -213,9 +214,7 @@ class SmiBackend:
             raise MonitorUnavailable("nvidia-smi is not on PATH")
         self.executable = found
         self.visible = visible
-        self._lock = threading.Lock()
-        self._process: subprocess.Popen[str] | None = None
-        self._interrupted = False
+        self._interrupted = threading.Event()
         try:
             self.first = self.sample()
         except MonitorUnavailable:
@@ -226,26 +225,18 @@ class SmiBackend:
             raise MonitorUnavailable("nvidia-smi lists no GPU")
 
     def _query(self) -> str:
+        """One query's output; "" once interrupted (a query under way is killed)."""
         command = [self.executable, f"--query-gpu={','.join(SMI_FIELDS)}", "--format=csv,noheader,nounits"]
-        with self._lock:
-            if self._interrupted:
-                return ""
-            self._process = subprocess.Popen(
-                command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL
-            )
         try:
-            out, err = self._process.communicate(timeout=SMI_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.communicate()
-            raise
-        finally:
-            with self._lock:
-                returncode, self._process = self._process.returncode, None
-        if returncode != 0 and not self._interrupted:
-            message = (out.strip() or err.strip() or f"exit status {returncode}").splitlines()[0]
+            result = run_command(command, timeout=SMI_TIMEOUT_S, check=False, stop=self._interrupted.is_set)
+        except CommandInterrupted:
+            return ""
+        if result.returncode != 0:
+            message = (
+                result.stdout.strip() or result.stderr.strip() or f"exit status {result.returncode}"
+            ).splitlines()[0]
             raise MonitorUnavailable(f"nvidia-smi failed: {message}")
-        return out
+        return result.stdout
 
     def sample(self) -> list[GpuSample]:
         rows = [parse_smi_line(line) for line in self._query().splitlines() if line.strip()]
@@ -253,11 +244,9 @@ class SmiBackend:
         return [sample for index, _, sample in rows if index in keep]
 
     def interrupt(self) -> None:
-        """Kill a query under way, so that stopping never waits for nvidia-smi."""
-        with self._lock:
-            self._interrupted = True
-            if self._process is not None and self._process.poll() is None:
-                self._process.kill()
+        """Kill a query under way (within ``run_command``'s poll interval), so that stopping never
+        waits for nvidia-smi; no query starts after this."""
+        self._interrupted.set()
 
     def close(self) -> None:
         self.interrupt()

@@ -1,8 +1,8 @@
 """One training request, start to finish, inside the batch job (or a chain of them).
 
-parameter file (the Rodan token is removed from it once read) -> download every input
-into the run directory (from Rodan only, each at most the parameter file's
-``limits.max_input_bytes``) -> load the page (PNG or JPEG only, at most
+parameter file (``bridge.handoff.JobParameters``; the Rodan token is removed from it once
+read) -> download every input into the run directory (from Rodan only, each at most the
+parameter file's ``limits.max_input_bytes``) -> load the page (PNG or JPEG only, at most
 ``limits.max_input_pixels`` per image) -> train one model per layer, checkpointing ->
 publish the reply (models, or an error naming the step that failed). The reply is staged
 in the spool's outbox before it is published, so a broker outage only delays it: the
@@ -21,7 +21,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,12 +29,13 @@ import structlog
 
 from bridge.amqp import CONNECTION_ERRORS, connect
 from bridge.errors import BridgeError, BrokerUnavailable
+from bridge.handoff import DEFAULT_CHECKPOINT_SYNC_S, JobParameters
 from bridge.logs import register_secret, tee_logs_to
 from bridge.protocol import error_reply, success_reply, without_private
 from bridge.replies import ReplyBox
-from bridge.rodan import DEFAULT_MAX_INPUT_BYTES, DEFAULT_MAX_INPUT_PIXELS, RodanClient
+from bridge.rodan import RodanClient
+from bridge.schedulers import own_job_id, scratch_variables
 from bridge.spool import Spool, atomic_write_json, read_json
-from bridge.spool import safe_key as spool_key
 from bridge.version import package_version
 from worker import memory, onednn
 from worker.continuation import ContinuationPlan, TimeLimitWarning, continue_job
@@ -43,68 +44,12 @@ from worker.gpumon import GpuMonitor
 if TYPE_CHECKING:
     from worker.trainer.checkpoint import CheckpointStore
     from worker.trainer.rundir import RunDirectory
+    from worker.trainer.settings import TrainSettings
 
 log = structlog.get_logger("worker")
 
 #: Folders of the run directory that only matter until the final reply is out.
 TRANSIENT_RUN_FOLDERS = ("inputs", "checkpoints")
-
-
-@dataclass(frozen=True)
-class JobParameters:
-    correlation_id: str
-    reply_to: str
-    inputs: dict[str, str]
-    layers: list[tuple[str, str]]  # (input name, reply key)
-    settings: dict[str, Any]
-    rodan_base_url: str
-    token: str
-    broker_url: str
-    broker_ca_file: str | None
-    spool: Path
-    runs_dir: Path
-    save_optimizer: bool
-    mixed_precision: str  # the bridge's HPC_MIXED_PRECISION
-    max_reply_bytes: int
-    run_dir: Path | None  # set once a first job created it: a continuation resumes there
-    seed: int | None  # the bridge's HPC_TRAINING_SEED; None: the trainer draws one (and checkpoints it)
-    rodan_timeout_s: float = 30.0  # the bridge's HPC_RODAN_TIMEOUT and HPC_RODAN_RETRIES, for downloads
-    rodan_retries: int = 4
-    # The bridge's HPC_MAX_INPUT_BYTES (one download, raw bytes) and HPC_MAX_INPUT_PIXELS (one image);
-    # a parameter file written before they existed has no "limits": the defaults then.
-    max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES
-    max_input_pixels: int = DEFAULT_MAX_INPUT_PIXELS
-    runs_shared: bool = False  # the bridge's HPC_RUNS_SHARED=group: run directories 0750/0640
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> JobParameters:
-        return cls(
-            correlation_id=str(data["correlation_id"]),
-            reply_to=str(data["reply_to"]),
-            inputs={str(k): str(v) for k, v in data["inputs"].items()},
-            layers=[(str(a), str(b)) for a, b in data["layers"]],
-            settings=dict(data["settings"]),
-            rodan_base_url=str(data["rodan"]["base_url"]),
-            token=str(data["rodan"].get("token", "")),
-            rodan_timeout_s=float(data["rodan"].get("timeout_s", 30.0)),
-            rodan_retries=int(data["rodan"].get("retries", 4)),
-            broker_url=str(data["broker"]["url"]),
-            broker_ca_file=data["broker"].get("ca_file"),
-            spool=Path(data["spool"]),
-            runs_dir=Path(data.get("runs_dir") or Path(data["spool"]) / "runs"),
-            save_optimizer=bool(data.get("save_optimizer", False)),
-            mixed_precision=str(data.get("mixed_precision", "off")),
-            max_reply_bytes=int(data.get("max_reply_bytes", 128 * 1024 * 1024)),
-            run_dir=Path(data["run_dir"]) if data.get("run_dir") else None,
-            seed=int(data["seed"]) if data.get("seed") is not None else None,
-            max_input_bytes=_limit(data, "max_input_bytes", DEFAULT_MAX_INPUT_BYTES),
-            max_input_pixels=_limit(data, "max_input_pixels", DEFAULT_MAX_INPUT_PIXELS),
-            runs_shared=data.get("runs_shared") == "group",
-        )
-
-    @property
-    def key(self) -> str:
-        return spool_key(self.correlation_id)
 
 
 class StepFailed(Exception):
@@ -135,15 +80,21 @@ def run_job(params_path: Path) -> int:
     except (OSError, ValueError) as exc:
         log.error("params_unreadable", path=str(params_path), error=type(exc).__name__)
         return 3
-    params = JobParameters.from_json(raw)
-    register_secret(params.token)
-    register_secret(_password(params.broker_url))
-    plan = ContinuationPlan.from_parameters(raw)
-    raw = forget_token(params_path, raw, keep_file=plan is not None)
+    try:
+        params = JobParameters.from_json(raw)
+    except ValueError as exc:  # another version's file, or a broken one: the message names no value
+        log.error("params_unreadable", path=str(params_path), error=type(exc).__name__, reason=str(exc))
+        if isinstance(raw, Mapping):
+            warn_on_version_mismatch(raw)
+        return 3
+    register_secret(params.rodan.token)
+    register_secret(_password(params.broker.url))
+    plan = ContinuationPlan.from_parameters(params)
+    forget_token(params_path, params, keep_file=True)  # a requeued or continued job reads it again
     structlog.contextvars.bind_contextvars(
         correlation_id=params.correlation_id,
-        job_id=os.environ.get("HPC_JOB_ID") or os.environ.get("SLURM_JOB_ID", ""),
-        continuation=plan.count if plan else 0,
+        job_id=own_job_id(os.environ),
+        continuation=plan.count,
     )
     warn_on_version_mismatch(raw)
     replies = ReplyBox(Spool(params.spool), max_bytes=params.max_reply_bytes)
@@ -182,7 +133,7 @@ def run_job(params_path: Path) -> int:
     )
     started = time.monotonic()
     workdir = Path(tempfile.mkdtemp(prefix="hpc-worker-", dir=os.environ.get("TMPDIR")))
-    gpu_csv = run_dir.path / ("gpu.csv" if plan is None or plan.count == 0 else f"gpu-{plan.count}.csv")
+    gpu_csv = run_dir.path / ("gpu.csv" if plan.count == 0 else f"gpu-{plan.count}.csv")
     try:
         with GpuMonitor(gpu_csv):
             outcome = train_or_stop(params, plan, workdir, run_dir, warning)
@@ -191,7 +142,7 @@ def run_job(params_path: Path) -> int:
         run_dir.share()
     done: dict[str, str] = {}  # what the success event says of the models
     if isinstance(outcome, Stopped):
-        body = stopped(outcome, params, plan, params_path, raw, run_dir, warning)
+        body = stopped(outcome, params, plan, params_path, run_dir, warning)
         if body is None:
             return 0  # the next job carries on
         ok = False
@@ -205,7 +156,7 @@ def run_job(params_path: Path) -> int:
         body = success_reply(outcome)
         ok = True
         done["models_accept"] = MODEL_INPUT
-        done["trained_on"] = f"{params.settings['patch_height']}x{params.settings['patch_width']} patches"
+        done["trained_on"] = f"{params.settings.patch_height}x{params.settings.patch_width} patches"
     log.info("job_trained", ok=ok, seconds=round(time.monotonic() - started, 1), reply_bytes=len(body), **done)
     deliver(replies, params, body)
     finish(params_path, run_dir.path)
@@ -231,7 +182,7 @@ def train_or_stop(
     from worker.trainer.sync import open_checkpoints
 
     local = node_local_checkpoints(plan, params.key)
-    sync_s = plan.sync_s if plan else 60.0
+    sync_s = plan.sync_s if plan else DEFAULT_CHECKPOINT_SYNC_S
     try:
         with open_checkpoints(run_dir.path / "checkpoints", local, sync_s) as store:
             try:
@@ -254,7 +205,6 @@ def stopped(
     params: JobParameters,
     plan: ContinuationPlan | None,
     params_path: Path,
-    raw: Mapping[str, Any],
     run_dir: RunDirectory,
     warning: TimeLimitWarning,
 ) -> bytes | None:
@@ -273,7 +223,7 @@ def stopped(
             continue_job(
                 plan,
                 params_path=params_path,
-                raw_params=raw,
+                params=params,
                 spool=Spool(params.spool),
                 key=params.key,
                 run_dir=run_dir.path,
@@ -288,9 +238,9 @@ def stopped(
 
 
 def node_local_checkpoints(plan: ContinuationPlan | None, key: str) -> Path | None:
-    """Fast node-local scratch for checkpoints: configured, else $SLURM_TMPDIR, else $TMPDIR."""
+    """Fast node-local scratch for checkpoints: configured, else the scheduler's ($SLURM_TMPDIR), else $TMPDIR."""
     configured = plan.node_local_dir if plan else None
-    for base in (configured, os.environ.get("SLURM_TMPDIR"), os.environ.get("TMPDIR")):
+    for base in (configured, *(os.environ.get(v) for v in (*scratch_variables(), "TMPDIR"))):
         if not base:
             continue
         if Path(base).is_dir():
@@ -302,19 +252,18 @@ def node_local_checkpoints(plan: ContinuationPlan | None, key: str) -> Path | No
     return None
 
 
-def forget_token(params_path: Path, raw: Mapping[str, Any], *, keep_file: bool) -> dict[str, Any]:
-    """Remove the Rodan token from disk now that it is in memory.
+def forget_token(params_path: Path, params: JobParameters, *, keep_file: bool) -> JobParameters:
+    """Remove the Rodan token from disk now that it is in memory; returns the parameters as stored.
 
     The file itself stays (0600, in the private spool) when the job may continue: a
     continuation needs the rest of it. Otherwise it is deleted.
     """
-    data = dict(raw)
-    data["rodan"] = {k: v for k, v in dict(raw["rodan"]).items() if k != "token"}
+    stored = replace(params, rodan=replace(params.rodan, token=""))
     if keep_file:
-        atomic_write_json(params_path, data)
+        atomic_write_json(params_path, stored.to_json())
     else:
         params_path.unlink(missing_ok=True)
-    return data
+    return stored
 
 
 def finish(params_path: Path, run_dir: Path) -> None:
@@ -322,6 +271,26 @@ def finish(params_path: Path, run_dir: Path) -> None:
     params_path.unlink(missing_ok=True)
     for name in TRANSIENT_RUN_FOLDERS:
         shutil.rmtree(run_dir / name, ignore_errors=True)
+
+
+def train_settings(params: JobParameters) -> TrainSettings:
+    """The trainer's settings for this request: the request's own, the bridge's HPC_SAVE_OPTIMIZER,
+    HPC_MIXED_PRECISION and HPC_TRAINING_SEED; the rest is the trainer's (strategy, validation split).
+    Raises TrainingInputError for a value the trainer cannot use."""
+    from worker.trainer.settings import TrainSettings
+
+    s = params.settings
+    return TrainSettings(
+        epochs=s.epochs,
+        max_samples_per_label=s.max_samples_per_label,
+        patch_height=s.patch_height,
+        patch_width=s.patch_width,
+        batch_size=s.batch_size,
+        patience=s.patience,
+        include_optimizer=params.save_optimizer,
+        mixed_precision=params.mixed_precision,
+        seed=params.seed,
+    )
 
 
 def train(
@@ -337,9 +306,8 @@ def train(
     Inputs go to the run directory's ``inputs/`` (persistent: a continuation finds them
     there), or to ``workdir`` without a run directory.
     """
-    rodan = RodanClient(
-        params.rodan_base_url, token=params.token, timeout_s=params.rodan_timeout_s, retries=params.rodan_retries
-    )
+    access = params.rodan
+    rodan = RodanClient(access.base_url, token=access.token, timeout_s=access.timeout_s, retries=access.retries)
     inputs_dir = run_dir.path / "inputs" if run_dir is not None else workdir
     inputs_dir.mkdir(mode=0o700, exist_ok=True)
     files: dict[str, Path] = {}
@@ -350,34 +318,23 @@ def train(
             log.info("input_present", input=name, bytes=dest.stat().st_size)
             continue
         try:
-            result = rodan.download(resource, dest, max_bytes=params.max_input_bytes)
+            result = rodan.download(resource, dest, max_bytes=params.limits.max_input_bytes)
         except Exception as exc:
             raise StepFailed(f"downloading {name!r}", exc) from exc
         log.info("input_downloaded", input=name, bytes=result.bytes, seconds=round(result.seconds, 3))
 
     try:
-        from worker.trainer import Page, TrainingInterrupted, TrainSettings, load_page, train_page
+        from worker.trainer import Page, TrainingInterrupted, load_page, train_page
 
         layer_paths = {key: files[input_name] for input_name, key in params.layers}
         page: Page = load_page(
-            files["Image"], layer_paths, files.get("Selected Regions"), max_pixels=params.max_input_pixels
+            files["Image"], layer_paths, files.get("Selected Regions"), max_pixels=params.limits.max_input_pixels
         )
     except Exception as exc:
         raise StepFailed("reading the input images", exc) from exc
-    s = params.settings
     try:
-        settings = TrainSettings(
-            epochs=int(s["epochs"]),
-            max_samples_per_label=int(s["max_samples_per_label"]),
-            patch_height=int(s["patch_height"]),
-            patch_width=int(s["patch_width"]),
-            batch_size=int(s.get("batch_size", 16)),
-            patience=int(s.get("patience", 3)),
-            include_optimizer=params.save_optimizer,
-            mixed_precision=params.mixed_precision,
-            seed=params.seed,
-        )
-    except (ValueError, KeyError, TypeError) as exc:
+        settings = train_settings(params)
+    except ValueError as exc:  # TrainingInputError: a value the trainer cannot use
         raise StepFailed("reading the training settings", exc) from exc
     out_dir = workdir / "models"
     out_dir.mkdir()
@@ -406,7 +363,7 @@ def deliver(replies: ReplyBox, params: JobParameters, body: bytes) -> None:
     """Stage the reply, then publish it; if the broker is unreachable the bridge will."""
     entry = replies.stage(params.correlation_id, params.reply_to, body, origin="worker")
     try:
-        connection = connect(params.broker_url, heartbeat=60, ca_file=params.broker_ca_file, name="hpc-worker")
+        connection = connect(params.broker.url, heartbeat=60, ca_file=params.broker.ca_file, name="hpc-worker")
     except BrokerUnavailable as exc:
         log.error("reply_left_in_outbox", error=str(exc), note="hpc-bridge publishes it on its next pass")
         return
@@ -425,13 +382,6 @@ def deliver(replies: ReplyBox, params: JobParameters, body: bytes) -> None:
                 connection.close()
             except CONNECTION_ERRORS:
                 pass
-
-
-def _limit(data: Mapping[str, Any], name: str, default: int) -> int:
-    """``data["limits"][name]``, or ``default`` when the bridge that wrote the file set none."""
-    limits = data.get("limits")
-    value = limits.get(name) if isinstance(limits, Mapping) else None
-    return int(value) if value is not None else default
 
 
 def _describe(exc: BaseException, params: JobParameters) -> str:

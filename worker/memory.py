@@ -1,12 +1,11 @@
 """Give back the library pages that importing TensorFlow touched once.
 
-Importing TensorFlow 2.21 maps about a gigabyte of shared libraries and reads some 420 MB of
-their read-only pages while it starts (static initialisers, symbol lookups, the kernel's
-read-around): of a process's 626 MB after ``import tensorflow``, 424 MB are such clean,
+Importing TensorFlow maps about a gigabyte of shared libraries and reads many of their
+read-only pages while it starts (static initialisers, symbol lookups, the kernel's
+read-around): most of a process's resident memory after ``import tensorflow`` is such clean,
 file-backed pages, most of which training never touches again. They count in the
 process's RSS, which is what Slurm's and Grid Engine's accounting report as a job's
-memory (and what ``bench_trainer.py`` compares with the seed's). TensorFlow 1.14, which
-the seed trained with, took 194 MB to import.
+memory (and what ``bench_trainer.py`` compares with the original trainer's).
 
 :func:`release_library_pages` unmaps them from the process (``madvise`` with
 ``MADV_DONTNEED``) on every read-only mapping of a shared library that holds no private
@@ -15,9 +14,8 @@ disk again, and the pages training does use come back as minor faults. (Mappings
 private copies, e.g. the relocated read-only data of a library, are left alone: dropping
 those copies would bring back the file's unrelocated bytes. ``MADV_PAGEOUT`` would instead
 evict the pages from the page cache, and every continuation job would read TensorFlow
-from disk again.) Measured on the 64x64 SAE, batch 16, 2 cores: RSS after the import
-518 -> 210 MB, peak over 6 training steps 1011 -> 613 MB, the steady step unchanged. On
-anything but Linux it does nothing.
+from disk again.) What it gives back, and that the step does not slow down:
+``benchmarks/README.md`` ("Trainer", memory). On anything but Linux it does nothing.
 """
 
 from __future__ import annotations

@@ -2,17 +2,17 @@
 
 TensorFlow's oneDNN kernels are switched by ``TF_ENABLE_ONEDNN_OPTS``, read once when
 TensorFlow is imported. Since 2.9 TensorFlow turns them on by itself only on CPUs with
-AVX-512 VNNI, BF16 or AMX; elsewhere they are off, although on a 2-core AVX2 node they
-trained the SAE 1.5 times faster per step (2.23 s -> 1.48 s at 64x64, batch 16), while
-on this project's AVX-512/AMX machine TensorFlow's own choice (on) is the fast one (0.97 s
-off, 0.49 s on). Which is faster is a property of the CPU, so the worker measures it
+AVX-512 VNNI, BF16 or AMX; elsewhere they are off, although on an AVX2 node they trained
+the SAE faster per step, while on an AVX-512/AMX machine TensorFlow's own choice (on) is the
+fast one (both measured: ``benchmarks/README.md``, "Trainer"). Which is faster is a property
+of the CPU, so the worker measures it
 instead of hard-coding either: :func:`choose`, called before TensorFlow is imported, times
 a few SAE training steps in two short child processes, one per setting, picks the faster
 (oneDNN only when it is at least :data:`MARGIN` faster) and keeps the result in
 :func:`tuning_dir` (``HPC_TUNING_DIR``, default ``~/.cache/hpc-bridge/tuning``, shared by
 the nodes where home directories are), keyed by the CPU's model name and feature flags
-and TensorFlow's version. The first job on a new kind of node pays about 20 s for it;
-later ones read the file.
+and TensorFlow's version. The first job on a new kind of node pays for the measurement (a few
+training steps per setting); later ones read the file.
 
 Not measured: when ``TF_ENABLE_ONEDNN_OPTS`` is already set (an operator's choice, e.g. in
 ``HPC_JOB_PROLOGUE`` or the batch environment), and when the node has NVIDIA GPUs (the
@@ -35,6 +35,7 @@ from typing import Any
 
 import structlog
 
+from bridge.atomic import atomic_write
 from bridge.shell import CommandError, run_command
 
 log = structlog.get_logger(__name__)
@@ -109,9 +110,7 @@ def choose(directory: Path) -> str | None:
                 decision = measure()
                 if decision is None:
                     return None
-                tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-                tmp.write_text(json.dumps(decision) + "\n")
-                tmp.replace(path)
+                atomic_write(path, (json.dumps(decision) + "\n").encode(), mode=None)
     except OSError as exc:
         log.warning("onednn_not_chosen", error=str(exc), note="TensorFlow's default is kept")
         return None

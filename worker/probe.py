@@ -40,7 +40,7 @@ import requests
 import structlog
 
 from bridge.logs import configure_logging
-from bridge.schedulers import JobSpec, get_scheduler
+from bridge.schedulers import JobSpec, get_scheduler, restart_variables, scratch_variables
 from bridge.shell import CommandError, CommandNotFound, CommandTimeout, run_command
 from bridge.spool import LOCK_FIX, NO_LOCKS, atomic_write_json, mount_of, read_json
 
@@ -262,7 +262,7 @@ def check_worker(params: Mapping[str, Any], result: dict[str, Any]) -> Finding:
 def scratch_candidates(configured: str | None, environ: Mapping[str, str]) -> list[tuple[str, str]]:
     """Where the worker looks for node-local scratch, in its order (worker/job.py)."""
     found = [("HPC_NODE_LOCAL_DIR", configured or "")]
-    found += [(name, environ.get(name, "")) for name in ("SLURM_TMPDIR", "TMPDIR")]
+    found += [(name, environ.get(name, "")) for name in (*scratch_variables(), "TMPDIR")]
     return [(name, value) for name, value in found if value]
 
 
@@ -301,7 +301,8 @@ def check_scratch(params: Mapping[str, Any], result: dict[str, Any]) -> Finding:
         if notes:  # the configured directory is missing here: the worker falls back, as this did
             return warn(f"{prefix}{where}: writable", "create HPC_NODE_LOCAL_DIR on the nodes, or unset it")
         return ok(f"{where}: writable")
-    what = "; ".join(notes) or "neither HPC_NODE_LOCAL_DIR, $SLURM_TMPDIR nor $TMPDIR names a directory here"
+    where = ", ".join(["HPC_NODE_LOCAL_DIR", *(f"${name}" for name in scratch_variables())])
+    what = "; ".join(notes) or f"neither {where} nor $TMPDIR names a directory here"
     return warn(
         f"no node-local scratch ({what}): checkpoints go straight to the run directory on shared storage",
         "set HPC_NODE_LOCAL_DIR to a node-local disk (e.g. /local/scratch) for faster checkpoints",
@@ -429,7 +430,7 @@ def run_probe(probe_file: Path) -> int:
     params = read_json(probe_file)
     result_path = probe_file.with_name(RESULT_NAME)
     job_id = os.environ.get("HPC_JOB_ID", "")
-    restart = os.environ.get("SLURM_RESTART_COUNT") or os.environ.get("RESTARTED") or "0"
+    restart = next((os.environ[v] for v in restart_variables() if os.environ.get(v)), "0")
     if result_path.exists():  # run again: requeued, or a successor that was not cancelled in time
         with contextlib.suppress(OSError, ValueError):
             earlier = read_json(result_path)

@@ -11,14 +11,14 @@ holds one JSON event per line. No broker, no Rodan, no credentials. The full con
 ``docs/researcher-guide.md``.
 
 Modules: :mod:`~bridge.chain.settings` (options, :class:`ChainSettings`, the contract's
-constants), :mod:`~bridge.chain.rundir` (:class:`RunDir`, :class:`ChainLog`),
+constants), :mod:`~bridge.chain.rundir` (:class:`ChainRunDir`, :class:`ChainLog`),
 :mod:`~bridge.chain.submit` (submitting the links), :mod:`~bridge.chain.link` (the supervisor
 inside each job), :mod:`~bridge.chain.follow` (``--wait``), :mod:`~bridge.chain.command`
 (``hpc-bridge chain`` itself).
 """
 
 from bridge.chain.command import cancel_chain, chain_command
-from bridge.chain.rundir import RunDir
+from bridge.chain.rundir import ChainRunDir
 from bridge.chain.settings import EX_TEMPFAIL, ChainError, ChainSettings
 
-__all__ = ["EX_TEMPFAIL", "ChainError", "ChainSettings", "RunDir", "cancel_chain", "chain_command"]
+__all__ = ["EX_TEMPFAIL", "ChainError", "ChainRunDir", "ChainSettings", "cancel_chain", "chain_command"]

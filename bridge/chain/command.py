@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from bridge.chain.follow import follow
-from bridge.chain.rundir import RunDir, default_run_dir
+from bridge.chain.rundir import ChainRunDir, default_run_dir
 from bridge.chain.settings import (
     EX_TEMPFAIL,
     ChainError,
@@ -69,7 +69,7 @@ def chain_command(args: Any, environ: Mapping[str, str] | None = None, out: Call
         print(f"hpc-bridge chain: {exc}", file=sys.stderr)
         return 2
     configure_logging(level=env.get("HPC_LOG_LEVEL", "WARNING"), stream=sys.stderr, component="chain")
-    run = RunDir(run_path)
+    run = ChainRunDir(run_path)
     try:
         job_ids = submit_chain(settings, run, scheduler)
     except (ChainError, ValueError, OSError) as exc:  # e.g. a run directory with a space (no valid directive)
@@ -91,7 +91,7 @@ def chain_command(args: Any, environ: Mapping[str, str] | None = None, out: Call
         outcome = {0: "done", 1: "failed", EX_TEMPFAIL: "incomplete"}.get(code, f"exit {code}")
         progress.update(outcome, outcome=outcome, code=code)
         return code
-    except ChainError as exc:  # the run directory is no longer private (see RunDir.verify)
+    except ChainError as exc:  # the run directory is no longer private (see ChainRunDir.verify)
         progress.finish()
         print(f"hpc-bridge chain: {exc}", file=sys.stderr)
         return 2
@@ -105,7 +105,7 @@ def chain_command(args: Any, environ: Mapping[str, str] | None = None, out: Call
 
 def cancel_chain(run_path: Path, scheduler: Scheduler | None = None) -> list[str]:
     """Cancel every link of the chain in ``run_path`` that has not ended (tests, clean-up)."""
-    record = RunDir(run_path).read()
+    record = ChainRunDir(run_path).read()
     if scheduler is None:
         scheduler = get_scheduler(str(record["scheduler"]), options=record.get("scheduler_options") or {})
     cancelled = []

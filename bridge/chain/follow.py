@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from bridge.chain.link import _cancel
-from bridge.chain.rundir import ChainLog, RunDir
+from bridge.chain.rundir import ChainLog, ChainRunDir
 from bridge.chain.settings import EX_TEMPFAIL
 from bridge.errors import BridgeError
 from bridge.progress import Progress, read_new_events
@@ -65,16 +65,16 @@ def follow(
     out: Callable[[str], None] = print,
     log_poll_s: float = 0.5,
     query_every_s: float = 5.0,
-    settle_s: float = 120.0,
+    grace_s: float = 120.0,
     progress: Progress | None = None,
 ) -> int:
     """Print the chain's events as they come until it has ended; return 0 (done), 1 (failed), 75 (incomplete).
 
     Raises :class:`~bridge.chain.settings.ChainError` first if the run directory could have been
-    changed by someone else (:meth:`RunDir.verify`).
+    changed by someone else (:meth:`ChainRunDir.verify`).
 
     The chain has ended when a final event is in chain.log and no link is pending or running
-    any more (or ``settle_s`` after the final event). Should every link end without a final
+    any more (or ``grace_s`` after the final event). Should every link end without a final
     event (a link killed outright, e.g. Grid Engine's SIGKILL at h_rt without a warning), the
     follower decides and records it in chain.log itself.
 
@@ -82,7 +82,7 @@ def follow(
     there too (a status line kept under the printed lines, or JSON lines that also carry every
     chain event); the caller finishes it.
     """
-    run = RunDir(run_path)
+    run = ChainRunDir(run_path)
     run.verify()  # ChainError when someone else could have changed it, as a link would refuse it
     record = run.read()
     job_ids = [str(j) for j in record.get("job_ids") or []]
@@ -123,7 +123,7 @@ def follow(
                 status.report()
                 live = [j for j in job_ids if j in current and not current[j].state.is_terminal]
                 ended_polls = ended_polls + 1 if not live else 0
-                if final is not None and (ended_polls >= 2 or now - final_seen_at > settle_s):
+                if final is not None and (ended_polls >= 2 or now - final_seen_at > grace_s):
                     if live:
                         out(f"(job(s) {' '.join(live)} still in the queue; stopped following)")
                     return FINAL_EVENTS[str(final["event"])]
@@ -134,7 +134,7 @@ def follow(
 
 
 def _sweep(
-    run: RunDir,
+    run: ChainRunDir,
     record: Mapping[str, Any],
     scheduler: Scheduler,
     current: Mapping[str, JobInfo],
@@ -174,7 +174,7 @@ def _print_states(
 
 
 def _conclude(
-    run: RunDir,
+    run: ChainRunDir,
     record: Mapping[str, Any],
     seen: Sequence[Mapping[str, Any]],
     current: Mapping[str, JobInfo],

@@ -16,13 +16,14 @@ import socket
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import structlog
 
-from bridge.chain.rundir import ChainLog, RunDir
+from bridge.chain.rundir import ChainLog, ChainRunDir
 from bridge.chain.settings import EX_TEMPFAIL, ChainError, ChainSettings
 from bridge.errors import BridgeError
 from bridge.schedulers import Scheduler, get_scheduler
@@ -81,7 +82,7 @@ def _send(child: Any, signum: int) -> None:
         pass
 
 
-def _wait_for_submission(run: RunDir, timeout_s: float) -> dict[str, Any]:
+def _wait_for_submission(run: ChainRunDir, timeout_s: float) -> dict[str, Any]:
     """chain.json once the submitting command has recorded every job id (or given up)."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -111,10 +112,10 @@ def run_link(
     0 when the command finished (or the link was skipped) or when the next link continues;
     75 when the last link ended with more to do; on failure, the command's status (1 instead of
     99, 100 or a signal). Raises :class:`ChainError`, running nothing, when the run directory or
-    ``chain.json`` could have been changed by someone else (:meth:`RunDir.verify`, :meth:`RunDir.read`).
+    ``chain.json`` could have been changed by someone else (:meth:`ChainRunDir.verify`, :meth:`ChainRunDir.read`).
     """
     env = dict(os.environ if environ is None else environ)
-    run = RunDir(run_path)
+    run = ChainRunDir(run_path)
     run.verify()  # nobody else can have changed what it runs (ChainError: run nothing, write nothing)
     record = _wait_for_submission(run, submit_wait_s)
     settings = ChainSettings.from_json(record)
@@ -133,54 +134,126 @@ def run_link(
             return 0
         if record.get("state") == "submitting":
             events.emit("submission_unfinished", level="warning", known_job_ids=job_ids)
-        return _run_command(settings, run, link, job_id, env, scheduler, later, events)
+        return _run_command(_Link(settings, run, link, job_id, scheduler, later, events), env)
     finally:
         events.close()
 
 
-def _run_command(
-    settings: ChainSettings,
-    run: RunDir,
-    link: int,
-    job_id: str,
-    env: dict[str, str],
-    scheduler: Scheduler,
-    later: list[str],
-    events: ChainLog,
-) -> int:
-    restarts = sum(1 for e in run.events() if e.get("event") == "link_start")
-    limit_s = _number_env(env, "HPC_JOB_TIME_LIMIT_S", settings.time_limit_s)
-    warn_s = _number_env(env, "HPC_JOB_WARN_S", settings.warn_s)
-    started = _number_env(env, "HPC_JOB_STARTED", time.time())
-    timer = warn_s > 0 and env.get(TIMER_SWITCH, "1") != "0"
-    child_env = {
-        **env,
-        "HPC_CHECKPOINT_DIR": str(run.checkpoints),
-        "HPC_RESTART_COUNT": str(restarts),
-        "HPC_CHAIN_LINK": str(link),
-        "HPC_CHAIN_LINKS": str(settings.links),
-        "HPC_RUN_DIR": str(run.path),
-        "HPC_JOB_TIME_LIMIT_S": str(int(limit_s)),
-        "HPC_JOB_WARN_S": str(int(warn_s)),
-        "HPC_JOB_STARTED": str(int(started)),
-    }
-    events.emit(
+@dataclass(frozen=True)
+class _Link:
+    """The link a supervisor runs: its chain, run directory, number, job, and the links after it."""
+
+    settings: ChainSettings
+    run: ChainRunDir
+    number: int
+    job_id: str
+    scheduler: Scheduler
+    later: list[str]  # the job ids of the links after this one
+    events: ChainLog
+
+    @property
+    def last(self) -> bool:
+        return self.number == self.settings.links
+
+    def cancel_later(self) -> list[str]:
+        return _cancel(self.scheduler, self.later, self.events)
+
+
+@dataclass(frozen=True)
+class _Timing:
+    """This job's time limit, its warning and when it started: the scheduler's (from the batch
+    script's environment), else the chain's settings; ``timer``: the supervisor warns by its own
+    timer as well as on the scheduler's signal."""
+
+    limit_s: float
+    warn_s: float
+    started: float
+    timer: bool
+
+    @classmethod
+    def read(cls, env: Mapping[str, str], settings: ChainSettings) -> _Timing:
+        warn_s = _number_env(env, "HPC_JOB_WARN_S", settings.warn_s)
+        return cls(
+            limit_s=_number_env(env, "HPC_JOB_TIME_LIMIT_S", settings.time_limit_s),
+            warn_s=warn_s,
+            started=_number_env(env, "HPC_JOB_STARTED", time.time()),
+            timer=warn_s > 0 and env.get(TIMER_SWITCH, "1") != "0",
+        )
+
+    @property
+    def warn_at(self) -> float | None:
+        """Epoch seconds of the supervisor's own warning; None: no timer."""
+        return self.started + self.limit_s - self.warn_s if self.timer else None
+
+    def timeout_s(self) -> float:
+        """How long from now the command may run before the supervisor stops it itself."""
+        return max(60.0, self.started + self.limit_s + LIMIT_SLACK_S - time.time())
+
+
+@dataclass(frozen=True)
+class _Ended:
+    """How the command ended: its status (negative: the signal that killed it), its run time,
+    the signal with which the scheduler (or the supervisor at its own limit) ended the job (0:
+    none), and why it could not start (empty: it started)."""
+
+    code: int
+    seconds: float
+    terminated: int = 0
+    error: str = ""
+
+    def fields(self) -> dict[str, Any]:
+        """The ``command_exit`` event's fields."""
+        fields: dict[str, Any] = {"code": self.code, "seconds": round(self.seconds, 3)}
+        if self.code < 0:
+            fields["signal"] = signal.Signals(-self.code).name
+        if self.error:
+            fields["error"] = self.error
+        return fields
+
+
+def _run_command(link: _Link, env: dict[str, str]) -> int:
+    """Run the link's command with the contract's environment, supervised; returns the link's exit status."""
+    restarts = sum(1 for e in link.run.events() if e.get("event") == "link_start")
+    timing = _Timing.read(env, link.settings)
+    link.events.emit(
         "link_start",
         host=socket.gethostname(),
         restart_count=restarts,
-        time_limit_s=int(limit_s),
-        warn_s=int(warn_s),
-        warning_timer=timer,
-        command=list(settings.command),
+        time_limit_s=int(timing.limit_s),
+        warn_s=int(timing.warn_s),
+        warning_timer=timing.timer,
+        command=list(link.settings.command),
     )
-    flags = _Signals(events, started + limit_s - warn_s if timer else None)
+    ended = _supervise(link.settings, _child_environment(env, link, restarts, timing), timing, link.events)
+    return _exit_policy(link, ended)
+
+
+def _child_environment(env: Mapping[str, str], link: _Link, restarts: int, timing: _Timing) -> dict[str, str]:
+    """The command's environment: the job's, with the contract's variables."""
+    return {
+        **env,
+        "HPC_CHECKPOINT_DIR": str(link.run.checkpoints),
+        "HPC_RESTART_COUNT": str(restarts),
+        "HPC_CHAIN_LINK": str(link.number),
+        "HPC_CHAIN_LINKS": str(link.settings.links),
+        "HPC_RUN_DIR": str(link.run.path),
+        "HPC_JOB_TIME_LIMIT_S": str(int(timing.limit_s)),
+        "HPC_JOB_WARN_S": str(int(timing.warn_s)),
+        "HPC_JOB_STARTED": str(int(timing.started)),
+    }
+
+
+def _supervise(settings: ChainSettings, child_env: dict[str, str], timing: _Timing, events: ChainLog) -> _Ended:
+    """Run the command (through :func:`bridge.shell.supervise`) until it ends, forwarding the
+    warning and the scheduler's SIGTERM/SIGINT to it; this process's handlers only for that long."""
+    flags = _Signals(events, timing.warn_at)
     watched = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
     previous = {sig: signal.signal(sig, flags.handler) for sig in watched}
-    failure = ""
+    error = ""
     try:
         result = supervise(
             settings.command,
-            timeout=max(60.0, started + limit_s + LIMIT_SLACK_S - time.time()),
+            timeout=timing.timeout_s(),
             poll=flags.poll,
             env=child_env,
             cwd=Path(settings.workdir),
@@ -190,36 +263,42 @@ def _run_command(
     except CommandTimeout as exc:  # the scheduler did not end the job at its limit
         code, seconds, flags.terminate = -signal.SIGTERM, exc.result.seconds, flags.terminate or signal.SIGTERM
     except CommandError as exc:  # could not start: not found (127) or not executable (126)
-        code, seconds, failure = (127 if exc.reason == "not found" else 126), exc.result.seconds, str(exc)
+        code, seconds, error = (127 if exc.reason == "not found" else 126), exc.result.seconds, str(exc)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    exit_fields: dict[str, Any] = {"code": code, "seconds": round(seconds, 3)}
-    if code < 0:
-        exit_fields["signal"] = signal.Signals(-code).name
-    if failure:
-        exit_fields["error"] = failure
-    last = link == settings.links
+    return _Ended(code, seconds, flags.terminate, error)  # a signal until the handlers were restored counts
 
+
+def _exit_policy(link: _Link, ended: _Ended) -> int:
+    """What the command's exit means for the chain: write the marker, cancel the links still
+    waiting, report; returns the link's exit status.
+
+    0: finished (DONE, the rest cancelled). 75: the next link continues (75 from the last link).
+    Ended by the scheduler: the next link resumes (128 + the signal). Anything else: FAILED, the
+    rest cancelled, the command's status (1 instead of 99, 100 or a signal).
+    """
+    events, code, fields = link.events, ended.code, ended.fields()
     if code == 0:
-        events.emit("command_exit", outcome="finished", **exit_fields)
-        run.write_marker(run.done_marker, {"link": link, "job_id": job_id, "at": time.time()})
-        events.emit("chain_done", cancelled=_cancel(scheduler, later, events))
+        events.emit("command_exit", outcome="finished", **fields)
+        link.run.write_marker(link.run.done_marker, {"link": link.number, "job_id": link.job_id, "at": time.time()})
+        events.emit("chain_done", cancelled=link.cancel_later())
         return 0
     if code == EX_TEMPFAIL:
-        events.emit("command_exit", outcome="continue", **exit_fields)
-        if last:
+        events.emit("command_exit", outcome="continue", **fields)
+        if link.last:
             events.emit("chain_incomplete", level="warning", reason="the command exited 75 in the last link")
             return EX_TEMPFAIL
         return 0
-    if flags.terminate:  # the scheduler ended this job (time limit, or a cancel): the next link resumes
-        events.emit("command_exit", level="warning", outcome="terminated", **exit_fields)
-        if last:
+    if ended.terminated:  # the scheduler ended this job (time limit, or a cancel): the next link resumes
+        events.emit("command_exit", level="warning", outcome="terminated", **fields)
+        if link.last:
             events.emit("chain_incomplete", level="warning", reason="the last link was ended by the scheduler")
-        return 128 + int(flags.terminate)
-    events.emit("command_exit", level="error", outcome="failed", **exit_fields)
-    run.write_marker(run.failed_marker, {"link": link, "job_id": job_id, "code": code, "at": time.time()})
-    events.emit("chain_failed", level="error", code=code, cancelled=_cancel(scheduler, later, events))
+        return 128 + int(ended.terminated)
+    events.emit("command_exit", level="error", outcome="failed", **fields)
+    failed = {"link": link.number, "job_id": link.job_id, "code": code, "at": time.time()}
+    link.run.write_marker(link.run.failed_marker, failed)
+    events.emit("chain_failed", level="error", code=code, cancelled=link.cancel_later())
     # Never 99 or 100: Grid Engine would requeue the job, or park it in an error state.
     return code if 0 < code < 256 and code not in (99, 100) else 1
 

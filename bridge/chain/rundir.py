@@ -1,13 +1,13 @@
-"""The run directory: where a chain keeps everything, and its event log.
+"""A chain's run directory (not a training run's: that is worker/trainer/rundir.py), and its event log.
 
-:class:`RunDir` names the files of one chain (``chain.json``, ``chain.log``, ``checkpoints/``,
+:class:`ChainRunDir` names the files of one chain (``chain.json``, ``chain.log``, ``checkpoints/``,
 ``logs/`` for the scheduler's output, ``scripts/`` for the batch scripts, and the ``DONE`` /
 ``FAILED`` markers) and reads and writes them. :class:`ChainLog` appends one JSON event per
 line to ``chain.log``; the submitting command, every link and a follower all write to it.
 
 A later link runs what ``chain.json`` says, so the run directory is trusted only while nobody
 else can change it: it is created private (directories 0700, files 0600), and before a link
-(or a follower) uses it, :meth:`RunDir.verify` and :meth:`RunDir.read` check that the run
+(or a follower) uses it, :meth:`ChainRunDir.verify` and :meth:`ChainRunDir.read` check that the run
 directory, its ``checkpoints/``, ``logs/`` and ``scripts/`` and ``chain.json`` are real (no
 symbolic link), belong to this user and are not writable by group or others
 (``mode & 0o022 == 0``); otherwise :class:`ChainError` says which path and how to fix it.
@@ -88,7 +88,7 @@ def _open_trusted(path: Path, *, directory: bool, dir_fd: int | None = None) -> 
 
 
 @dataclass(frozen=True)
-class RunDir:
+class ChainRunDir:
     """``chain.json``, ``chain.log``, ``checkpoints/``, ``logs/`` (scheduler output), ``scripts/``, markers."""
 
     path: Path

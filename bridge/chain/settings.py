@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from bridge.errors import BridgeError
+from bridge.schedulers import DEFAULT_SCHEDULER, backend_name, choices_text, scheduler_class
 from bridge.schedulers.base import ENV_NAME
 
 EX_TEMPFAIL = 75  # sysexits.h: "temporary failure, try again" -> continue in the next link
@@ -90,22 +91,19 @@ def parse_environment(items: Sequence[str], environ: Mapping[str, str]) -> dict[
 
 
 def scheduler_choice(requested: str | None, environ: Mapping[str, str]) -> str:
-    """``--scheduler``, else ``$HPC_SCHEDULER``, else slurm (``sge`` is Grid Engine)."""
-    from bridge.config import SCHEDULER_ALIASES
-
-    raw = requested or environ.get("HPC_SCHEDULER") or "slurm"
-    name = SCHEDULER_ALIASES.get(raw.strip().lower())
-    if name is None:
-        raise ChainError(f"unknown scheduler {raw!r}: use slurm or gridengine")
+    """``--scheduler``, else ``$HPC_SCHEDULER``, else the default backend (a name or an alias:
+    ``sge`` is Grid Engine)."""
+    raw = requested or environ.get("HPC_SCHEDULER") or DEFAULT_SCHEDULER
+    name = backend_name(raw)
+    if not name:
+        raise ChainError(f"unknown scheduler {raw!r}: use {choices_text()}")
     return name
 
 
 def scheduler_options(name: str, environ: Mapping[str, str]) -> dict[str, str]:
-    """Site settings of the backend from the environment (Grid Engine: HPC_SGE_PE, ...)."""
-    if name != "gridengine":
-        return {}
-    keys = {"pe": "HPC_SGE_PE", "gpu_resource": "HPC_SGE_GPU_RESOURCE", "memory_resource": "HPC_SGE_MEMORY_RESOURCE"}
-    return {option: environ[var] for option, var in keys.items() if environ.get(var)}
+    """The constructor options of backend ``name`` from its site settings in the environment
+    (Grid Engine: HPC_SGE_PE, ...; see ``Scheduler.site_options``)."""
+    return scheduler_class(name).constructor_options(environ)
 
 
 def resolve_command(command: Sequence[str], environ: Mapping[str, str]) -> list[str]:

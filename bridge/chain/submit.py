@@ -15,7 +15,7 @@ from typing import Any
 
 import structlog
 
-from bridge.chain.rundir import ChainLog, RunDir
+from bridge.chain.rundir import ChainLog, ChainRunDir
 from bridge.chain.settings import ChainSettings
 from bridge.errors import BridgeError
 from bridge.schedulers import JobSpec, Scheduler
@@ -24,7 +24,7 @@ from bridge.spool import atomic_write
 log = structlog.get_logger(__name__)
 
 
-def link_spec(settings: ChainSettings, run: RunDir, link: int, hold_after: str) -> JobSpec:
+def link_spec(settings: ChainSettings, run: ChainRunDir, link: int, hold_after: str) -> JobSpec:
     return JobSpec(
         name=f"{settings.name}-{link}",
         comment=f"hpc-bridge-chain-link-{link}-of-{settings.links}",
@@ -43,7 +43,7 @@ def link_spec(settings: ChainSettings, run: RunDir, link: int, hold_after: str) 
     )
 
 
-def submit_chain(settings: ChainSettings, run: RunDir, scheduler: Scheduler) -> list[str]:
+def submit_chain(settings: ChainSettings, run: ChainRunDir, scheduler: Scheduler) -> list[str]:
     """Create the run directory and submit every link, each held on the one before.
 
     chain.json says ``"state": "submitting"`` until every link is in, so a link that starts

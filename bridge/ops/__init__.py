@@ -12,7 +12,7 @@ import importlib
 from typing import Any
 
 #: The modules under bridge/ops/ that define commands, in the order ``--help`` lists them.
-COMMAND_MODULES: tuple[str, ...] = ("status", "doctor", "logs", "deadletter", "prune", "install")
+COMMAND_MODULES: tuple[str, ...] = ("status", "doctor", "request_log", "deadletter", "prune", "install")
 
 
 def add_parsers(sub: Any) -> None:

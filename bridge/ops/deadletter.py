@@ -19,7 +19,7 @@ the dead-letter copy in place to requeue again.
 
 Replies: Rodan must get exactly one reply per request, and a reply for a task that no longer
 waits is nacked and redelivered by every waiting Rodan task in a tight loop for as long as it
-stays queued (../shared/PROTOCOL.md). A dead-lettered request has nearly always had its error
+stays queued (docs/protocol.md §1.4). A dead-lettered request has nearly always had its error
 reply published (``SPOOL/replies/KEY.json`` exists), and Rodan's task has then failed with it.
 Processing it again would publish a second reply, so requeue-dead refuses such a request unless
 ``--force``: use it only when the requester is known to wait for this correlation id again

@@ -34,7 +34,7 @@ from bridge.errors import ConfigError, PermanentError, RodanAuthError, Scheduler
 from bridge.intake import rodan_job_spec
 from bridge.logs import configure_logging, register_secret
 from bridge.ops.install import LINGER_DIR, installed_user_units, lingering
-from bridge.protocol import TrainingSettings
+from bridge.protocol import RequestSettings
 from bridge.rodan import RodanClient
 from bridge.schedulers import Scheduler, get_scheduler
 from bridge.schedulers.base import scrubbed_environment
@@ -51,11 +51,6 @@ examples:
   hpc-bridge --credentials ~/hpc-bridge/credentials.env doctor --json | jq '.checks[] | select(.status=="FAIL")'
 """
 
-#: The scheduler commands the bridge runs, per backend.
-SCHEDULER_COMMANDS: dict[str, tuple[str, ...]] = {
-    "slurm": ("sbatch", "squeue", "sacct", "scancel", "scontrol"),
-    "gridengine": ("qsub", "qstat", "qacct", "qdel"),
-}
 #: Filesystems that compute nodes share; anything else is local to this machine unless exported.
 SHARED_FS = frozenset(
     {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "cephfs", "ceph", "glusterfs", "fuse.glusterfs", "panfs", "wekafs"}
@@ -439,42 +434,34 @@ def _scheduler(config: BridgeConfig) -> Scheduler:
 
 
 def check_scheduler(config: BridgeConfig) -> list[Check]:
-    wanted = SCHEDULER_COMMANDS[config.scheduler]
-    missing = [c for c in wanted if shutil.which(c) is None]
     scheduler = _scheduler(config)
+    wanted = scheduler.commands
+    missing = [c for c in wanted if shutil.which(c) is None]
     label = scheduler.display_name
     if missing:
         commands = fail(
             "scheduler-commands",
             f"{', '.join(missing)} not on PATH ({label})",
             f"load the {label} module or add its bin directory to PATH in the cron/systemd environment"
-            + ("" if config.scheduler == "gridengine" else ", or set HPC_SCHEDULER=gridengine"),
+            + scheduler.commands_hint,
         )
     else:
         commands = ok("scheduler-commands", f"{', '.join(wanted)} found ({shutil.which(wanted[0])})")
     try:
         answer = scheduler.ping()
     except SchedulerUnavailable as exc:
-        controller = "slurmctld" if config.scheduler == "slurm" else "sge_qmaster"
-        # Grid Engine's commands find the qmaster through the cell's settings (its settings.sh sets them).
-        found_by = (
-            ""
-            if config.scheduler == "slurm"
-            else ", and that SGE_ROOT, SGE_CELL and SGE_QMASTER_PORT are the cell's (source its settings.sh in "
-            "the cron/systemd environment)"
-        )
         answered = fail(
             "scheduler",
             f"{label} is not answering: {exc}",
-            f"check that {controller} runs and this node reaches it{found_by}; if it is only slow, raise "
-            f"HPC_SCHEDULER_TIMEOUT (now {config.scheduler_timeout_s:g} s)",
+            f"check that {scheduler.controller} runs and this node reaches it{scheduler.controller_hint}; if it is "
+            f"only slow, raise HPC_SCHEDULER_TIMEOUT (now {config.scheduler_timeout_s:g} s)",
         )
     else:
         answered = ok("scheduler", f"{label} answers: {scheduler.clean(answer)}")
-    return [commands, answered, check_accounting(config, scheduler, answered)]
+    return [commands, answered, check_accounting(scheduler, answered)]
 
 
-def check_accounting(config: BridgeConfig, scheduler: Scheduler, answered: Check) -> Check:
+def check_accounting(scheduler: Scheduler, answered: Check) -> Check:
     """The accounting that judges a job once it has left the live queue.
 
     Without it, the query of every pass fails as soon as one watched job has left the queue (Slurm:
@@ -483,11 +470,11 @@ def check_accounting(config: BridgeConfig, scheduler: Scheduler, answered: Check
     """
     name = "scheduler-accounting"
     label = scheduler.display_name
-    command = "sacct" if config.scheduler == "slurm" else "qacct"
+    command = scheduler.accounting_command
     if shutil.which(command) is None:
         return skip(name, f"{command} is not on PATH (see scheduler-commands)")
-    if config.scheduler != "slurm" and answered.status != "ok":
-        return skip(name, f"{label} is not answering (see scheduler)")  # qacct needs the same cell settings
+    if scheduler.accounting_needs_controller and answered.status != "ok":
+        return skip(name, f"{label} is not answering (see scheduler)")
     why = (
         "a job that has left the queue can only be judged from accounting: while it does not answer, every "
         f"reconcile pass stops ('{command} failed' in the log) and a request whose job ended without a reply "
@@ -496,14 +483,7 @@ def check_accounting(config: BridgeConfig, scheduler: Scheduler, answered: Check
     try:
         answer = scheduler.check_accounting()
     except SchedulerUnavailable as exc:
-        if config.scheduler == "slurm":
-            fix = (
-                "Slurm needs accounting through slurmdbd (AccountingStorageType=accounting_storage/slurmdbd in "
-                "slurm.conf, slurmdbd running and reachable from this node); ask your site's administrators"
-            )
-        else:
-            fix = "make the cell's accounting file readable here (qacct reads $SGE_ROOT/$SGE_CELL/common/accounting)"
-        return fail(name, f"{label} accounting does not answer ({exc}): {why}", fix)
+        return fail(name, f"{label} accounting does not answer ({exc}): {why}", scheduler.accounting_fix)
     return ok(name, f"{label} accounting answers ({answer}): ended jobs can be judged")
 
 
@@ -613,7 +593,7 @@ def _check_shared(spool: Path, existing: Path) -> Check:
 
 def check_template(config: BridgeConfig) -> Check:
     name = "template"
-    spec = rodan_job_spec(config, Spool(config.spool_dir), TrainingSettings(), "doctor-sample")
+    spec = rodan_job_spec(config, Spool(config.spool_dir), RequestSettings(), "doctor-sample")
     scheduler = _scheduler(config)
     try:
         script = scheduler.render(spec)
@@ -621,8 +601,8 @@ def check_template(config: BridgeConfig) -> Check:
         return fail(
             name,
             f"the {scheduler.display_name} batch script does not render for a sample request: {exc}",
-            "fix HPC_SLURM_ACCOUNT/HPC_SLURM_PARTITION/HPC_SGE_*/HPC_GPU_RULES/HPC_SCHEDULER_ARGS/"
-            "HPC_JOB_DIRECTIVES/HPC_JOB_PROLOGUE named above",
+            f"fix {scheduler.setting_prefix}*/HPC_GPU_RULES/HPC_SCHEDULER_ARGS/HPC_JOB_DIRECTIVES/HPC_JOB_PROLOGUE "
+            "named above",
         )
     leaked = [s for s in config.secrets if contains_secret(script, [s])]
     if leaked:

@@ -40,7 +40,9 @@ from pathlib import Path
 from string import Template
 from typing import Any
 
+from bridge.atomic import atomic_file
 from bridge.config import BridgeConfig
+from bridge.schedulers import scheduler_class
 from bridge.shell import CommandError, CommandNotFound, CommandResult, run_command
 
 EPILOG = """Without --print the files are written where they belong and the command that enables
@@ -62,10 +64,6 @@ TARGETS = ("cron", "systemd", "logrotate", "scrontab")
 WATCHDOG = "3min"
 #: Directories every PATH here has (cron's /usr/bin:/bin, run_check's /usr/local/bin, systemd's).
 BASE_PATH = ("/usr/local/bin", "/usr/bin", "/bin")
-#: The command that tells where a scheduler's commands live.
-SCHEDULER_PROBE = {"slurm": "sbatch", "gridengine": "qsub"}
-#: What Grid Engine's commands need from the environment (its settings.sh sets them).
-SGE_VARIABLES = ("SGE_ROOT", "SGE_CELL", "SGE_QMASTER_PORT", "SGE_EXECD_PORT")
 #: Paths and values written into units, crontabs and logrotate files without any quoting.
 SAFE = re.compile(r"[A-Za-z0-9._/+,@=:~-]+")
 LINGER_DIR = Path("/var/lib/systemd/linger")
@@ -250,11 +248,11 @@ def safe(value: str, what: str) -> str:
 def scheduler_environment(scheduler: str, env: Mapping[str, str]) -> list[tuple[str, str]]:
     """What the scheduler's commands need that cron's and systemd's bare environments lack."""
     needed: list[tuple[str, str]] = []
-    found = shutil.which(SCHEDULER_PROBE.get(scheduler, "sbatch"), path=env.get("PATH"))
+    backend = scheduler_class(scheduler)
+    found = shutil.which(backend.commands[0], path=env.get("PATH"))  # where its commands live
     if found and str(Path(found).parent) not in BASE_PATH:
         needed.append(("PATH", ":".join([str(Path(found).parent), *BASE_PATH])))
-    if scheduler == "gridengine":
-        needed.extend((name, env[name]) for name in SGE_VARIABLES if env.get(name))
+    needed.extend((name, env[name]) for name in backend.command_environment if env.get(name))
     return needed
 
 
@@ -315,8 +313,8 @@ def render_cron(inst: Installation) -> Output:
 
 def render_scrontab(inst: Installation) -> Output:
     options = []
-    if inst.config.slurm_account:
-        options.append(f"#SCRON --account={safe(inst.config.slurm_account, 'HPC_SLURM_ACCOUNT')}")
+    if inst.config.site_option("HPC_SLURM_ACCOUNT"):
+        options.append(f"#SCRON --account={safe(inst.config.site_option('HPC_SLURM_ACCOUNT'), 'HPC_SLURM_ACCOUNT')}")
     values = {
         "command": cron_command(inst),
         "output": str(inst.run_check_log.parent / "scrontab.out"),
@@ -382,7 +380,7 @@ def render_systemd(inst: Installation, *, system: bool, timer: bool) -> list[Out
         wanted_by = "default.target"
         directory = inst.user_unit_dir
     values = {
-        "scheduler": "Grid Engine" if inst.config.scheduler == "gridengine" else "Slurm",
+        "scheduler": inst.config.backend.display_name,
         "documentation": f"Documentation=file://{docs}" if docs.is_file() else "",
         "ordering": ordering,
         "watchdog": WATCHDOG,
@@ -507,11 +505,8 @@ def write_file(output: Output) -> bool:
         pass
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        with os.fdopen(fd, "w") as handle:
-            handle.write(output.text)
-        os.chmod(tmp, output.mode)
-        os.replace(tmp, path)
+        with atomic_file(path, output.mode) as handle:
+            handle.write(output.text.encode())
     except OSError as exc:
         hint = " (a system file: run it as root, or use --print and sudo tee)" if os.getuid() != 0 else ""
         raise InstallError(f"cannot write {path}: {exc.strerror or exc}{hint}") from None

@@ -20,8 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bridge.ledger import RequestRecord, RequestState
-from bridge.schedulers import gridengine, slurm
-from bridge.schedulers.base import JobState
+from bridge.schedulers import job_state_value
 from bridge.spool import Spool, atomic_write
 from bridge.version import package_version
 
@@ -40,18 +39,13 @@ STATES: tuple[str, ...] = (
 )
 #: Reply latency buckets in seconds: a minute to three days.
 LATENCY_BUCKETS: tuple[float, ...] = (60, 300, 900, 1800, 3600, 7200, 21600, 43200, 86400, 259200)
-_JOB_STATES = frozenset(s.value for s in JobState)
-_TRANSLATE = {"slurm": slurm.translate, "gridengine": gridengine.translate}
 
 
 def job_state_word(scheduler: str, state: str) -> str:
-    """A job state as a :class:`JobState` value: the live ones are already, the ledger keeps the
-    scheduler's own word (Grid Engine's ``r``, ``hqw``); a word no backend knows stays as it is."""
-    word = state.strip()
-    if word.upper() in _JOB_STATES or scheduler not in _TRANSLATE:
-        return word.upper()
-    translated = _TRANSLATE[scheduler](word)
-    return word.upper() if translated is JobState.MISSING else translated.value
+    """A job state as a :class:`~bridge.schedulers.JobState` value: the live ones and the ledger's
+    are already; a scheduler's own word (a record made in memory, or by an older bridge: Grid
+    Engine's ``r``) is translated by its backend; a word no backend knows stays as it is."""
+    return job_state_value(scheduler, state)
 
 
 def display_state(record: RequestRecord, job_state: str | None = None) -> str:
@@ -164,7 +158,7 @@ def render(
         lines.append(f'hpc_bridge_ledger_requests{{state="{state}"}} {by_state.get(state, 0)}')
     family("hpc_bridge_jobs", "gauge", "Jobs of open requests, by the scheduler state last seen.")
     jobs = Counter(
-        (states.get(r.correlation_id) or r.job_state or "UNKNOWN").upper()
+        job_state_word(r.scheduler, states.get(r.correlation_id) or r.job_state or "UNKNOWN")
         for r in items
         if r.state is RequestState.SUBMITTED
     )

@@ -37,8 +37,8 @@ from bridge.config import BridgeConfig
 from bridge.errors import SchedulerRejected, SchedulerUnavailable
 from bridge.intake import rodan_job_spec
 from bridge.ops.doctor import Check, fail, ok, skip
-from bridge.protocol import TrainingSettings, format_duration
-from bridge.schedulers import JobInfo, JobSpec, JobState, Scheduler, get_scheduler
+from bridge.protocol import RequestSettings
+from bridge.schedulers import BACKENDS, JobInfo, JobSpec, JobState, Scheduler, format_duration, get_scheduler
 from bridge.spool import Spool, atomic_write, atomic_write_json, read_json
 
 log = structlog.get_logger(__name__)
@@ -58,6 +58,8 @@ TOKEN_NAME = "from-login"
 HELD_LOCK_NAME = "held.lock"
 RESULT_MARKER = "HPC-PROBE-RESULT "
 KEY_PREFIX = "doctor-probe-"
+#: The backends' own settings, for fixes: ``HPC_SLURM_*/HPC_SGE_*``.
+_SITE_SETTINGS = "/".join(f"{cls.setting_prefix}*" for cls in BACKENDS.values())
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,7 @@ def skipped(why: str) -> list[Check]:
 def probe_spec(config: BridgeConfig, spool: Spool, key: str, memory_mb: int) -> JobSpec:
     """The job a Rodan request of one CPU, ``memory_mb`` MB and PROBE_MINUTES minutes gets, running the probe
     with the same (pinned) worker interpreter instead of the worker."""
-    settings = TrainingSettings(max_time=format_duration(PROBE_MINUTES), max_memory_mb=memory_mb, cpus=1)
+    settings = RequestSettings(max_time=format_duration(PROBE_MINUTES), max_memory_mb=memory_mb, cpus=1)
     spec = rodan_job_spec(config, spool, settings, key)
     return replace(spec, command=(spec.command[0], "-m", "worker.probe", str(spool.job_dir(key) / "probe.json")))
 
@@ -268,7 +270,7 @@ def _refused(label: str, reason: str, spec: JobSpec, probe_dir: Path) -> list[Ch
             "probe-job",
             f"{label} refused the probe job ({asked}): {reason}",
             "every Rodan request would be refused the same way: fix the account, partition, queue, GPU rule or "
-            "directive it names (HPC_SLURM_*/HPC_SGE_*, HPC_GPU_RULES, HPC_JOB_DIRECTIVES, HPC_SCHEDULER_ARGS), "
+            f"directive it names ({_SITE_SETTINGS}, HPC_GPU_RULES, HPC_JOB_DIRECTIVES, HPC_SCHEDULER_ARGS), "
             "or lower --job-memory",
         ),
         *(skip(f"node-{name}", "no probe job") for name in NODE_CHECKS),
@@ -361,7 +363,7 @@ def judge(outcome: Outcome, token: str, label: str, log_file: Path | None) -> li
                 "probe-job",
                 f"{job} was still waiting in the queue after the timeout{reason}; it was cancelled",
                 "when the reason is only a busy cluster (Priority, Resources), run again with a longer "
-                "--job-timeout; otherwise fix what it names (account, partition, QOS, GPU: HPC_SLURM_*/HPC_SGE_*, "
+                f"--job-timeout; otherwise fix what it names (account, partition, QOS, GPU: {_SITE_SETTINGS}, "
                 "HPC_GPU_RULES, HPC_JOB_DIRECTIVES)",
             )
             return [first, *(skip(f"node-{name}", "the probe job did not run") for name in NODE_CHECKS)]

@@ -25,7 +25,7 @@ import structlog
 
 from bridge.config import BridgeConfig
 from bridge.ledger import Ledger, RequestRecord, RequestState
-from bridge.ops.logs import run_dirs
+from bridge.ops.request_log import run_dirs
 from bridge.spool import Spool
 
 log = structlog.get_logger(__name__)

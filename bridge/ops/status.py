@@ -16,6 +16,7 @@ from bridge.config import BridgeConfig
 from bridge.errors import BrokerUnavailable, SchedulerRejected, SchedulerUnavailable
 from bridge.ledger import Ledger, RequestRecord, RequestState
 from bridge.ops.metrics import STATES, count, display_state, outbox_size
+from bridge.schedulers import get_scheduler, short_name
 from bridge.spool import Spool
 
 EPILOG = """states: queued (received, not yet submitted), submitting, submitted, pending, running,
@@ -42,8 +43,8 @@ def parse_duration(text: str) -> float:
     return float(match.group(1)) * _UNITS[match.group(2)]
 
 
-def format_duration(seconds: float | None) -> str:
-    """Compact: 45s, 12m, 3h05, 2d04; '-' when unknown."""
+def format_age(seconds: float | None) -> str:
+    """An age or a time spent, compact: 45s, 12m, 3h05, 2d04; '-' when unknown."""
     if seconds is None or seconds < 0:
         return "-"
     s = int(seconds)
@@ -145,8 +146,6 @@ def query_scheduler(config: BridgeConfig, records: Sequence[RequestRecord]) -> t
     open_jobs = {r.correlation_id: r.job_id for r in records if r.state is RequestState.SUBMITTED and r.job_id}
     if not open_jobs:
         return {}, ""
-    from bridge.schedulers import get_scheduler
-
     try:
         scheduler = get_scheduler(
             config.scheduler,
@@ -233,23 +232,20 @@ def select(rows: Sequence[Row], states: Sequence[str], older_than: float | None,
     return [row for row in rows if wanted(row)]
 
 
-_SCHED_SHORT = {"slurm": "slurm", "gridengine": "sge"}
-
-
 def format_table(rows: Sequence[Row], width: int = WIDTH) -> list[str]:
     """Fixed columns, the last event takes what is left of ``width``."""
     head = f"{'ID':<8} {'GEN':<3} {'JOB':<12} {'STATE':<14} {'AGE':>5} {'TRAIN':>5} "
     rest = width - len(head)
     lines = [(head + "LAST EVENT").rstrip()]
     for row in rows:
-        job = f"{_SCHED_SHORT.get(row.scheduler, row.scheduler)} {row.job_id}".strip() if row.job_id else "-"
+        job = f"{short_name(row.scheduler)} {row.job_id}".strip() if row.job_id else "-"
         state = f"continued {row.continuations}x" if row.state == "continued" else row.state
         last = " ".join(row.last_event.split()) or "-"
         if len(last) > rest:
             last = last[: rest - 1] + "~"
         line = (
             f"{row.correlation_id[:8]:<8} {(row.generation or '-')[:3]:<3} {job[:12]:<12} {state[:14]:<14} "
-            f"{format_duration(row.age_s):>5} {format_duration(row.training_s):>5} {last}"
+            f"{format_age(row.age_s):>5} {format_age(row.training_s):>5} {last}"
         )
         lines.append(line.rstrip())
     return lines

@@ -4,6 +4,10 @@ A backend is a short module: its batch-script template (a file in
 ``templates/``), how to render resource requests as directives, how to submit,
 query and cancel, and a translation table from its own state names to
 :class:`JobState`. It knows nothing of RabbitMQ, Rodan or the trainer.
+
+Everything the rest of the bridge needs to know about a backend is on its class (names, aliases,
+commands, site settings, what its jobs are given, advice for ``doctor``), and the class is listed
+once in ``bridge/schedulers/__init__.py``: a new backend is a new module here and one line there.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import os
 import pwd
 import re
 import shlex
+import signal
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -89,6 +94,30 @@ REASON_CHARS = 300
 def one_line(text: str, limit: int = REASON_CHARS) -> str:
     """``text`` as one line of at most ``limit`` characters (white space runs squeezed to one space)."""
     return " ".join(text.split())[:limit]
+
+
+def format_duration(minutes: int) -> str:
+    """Minutes -> ``D-HH:MM`` (Slurm's ``--time`` and a request's 'Maximum time (D-HH:MM)')."""
+    days, rest = divmod(minutes, 1440)
+    return f"{days}-{rest // 60:02d}:{rest % 60:02d}"
+
+
+@dataclass(frozen=True)
+class SiteOption:
+    """One site setting of a backend (``HPC_SGE_PE``): read by ``load_config`` from the credentials,
+    and by ``hpc-bridge chain`` from the environment.
+
+    ``keyword`` is the backend's constructor keyword the value is given as ("": none, the setting
+    reaches the job through :class:`JobSpec` instead, see :attr:`Scheduler.account_setting`);
+    ``choices`` the values allowed (none: any text); ``private_as`` what error replies say instead
+    of the value (``<account>``; "": nothing to hide).
+    """
+
+    setting: str
+    default: str = ""
+    keyword: str = ""
+    choices: tuple[str, ...] = ()
+    private_as: str = ""
 
 
 @dataclass(frozen=True)
@@ -300,8 +329,43 @@ class Scheduler(ABC):
     so another user's job named like one of ours must never be adopted, read or cancelled.
     """
 
-    name: str
+    # --- what the rest of the bridge knows of a backend (nothing else names it) ----------
+    name: str  # HPC_SCHEDULER's value, and the ledger's record of which backend ran a job
+    #: Other accepted spellings of HPC_SCHEDULER and ``hpc-bridge chain --scheduler`` (lower case).
+    aliases: tuple[str, ...] = ()
     display_name: str  # for people: "Slurm", "Grid Engine"
+    short_name: str  # in tables and progress lines ("sge 12"): ``hpc-bridge status``, ``enqueue --wait``
+    #: The commands the backend runs; the first one submits (``doctor`` and ``install`` look for them on PATH).
+    commands: tuple[str, ...] = ()
+    #: Environment variables its commands need from the shell that runs the bridge (cron, systemd):
+    #: ``install`` writes them into the units it makes.
+    command_environment: tuple[str, ...] = ()
+    #: The site settings it reads (its own names start with ``setting_prefix``).
+    site_options: tuple[SiteOption, ...] = ()
+    setting_prefix: str = ""
+    #: The site options that are ``JobSpec.account``, ``JobSpec.partition`` and ``JobSpec.continue_by``
+    #: (""; none: no account/partition, and jobs always continue by a successor).
+    account_setting: str = ""
+    partition_setting: str = ""
+    continue_setting: str = ""
+    #: The signal a job is warned with before its time limit (the worker catches every backend's).
+    warning_signal: signal.Signals = signal.SIGUSR1
+    #: Variables naming a job's node-local scratch directory, tried before ``$TMPDIR``.
+    scratch_variables: tuple[str, ...] = ()
+    #: Variables saying a job runs again (a count, or a flag), as its jobs see them.
+    restart_variables: tuple[str, ...] = ()
+    #: For ``doctor``'s advice: the daemon its commands talk to, how they find it (a clause that ends
+    #: the fix, "" when nothing to add), what else to try when the commands are not on PATH.
+    controller: str = ""
+    controller_hint: str = ""
+    commands_hint: str = ""
+    #: The command that reads ended jobs, what to fix when it does not answer, and whether it
+    #: needs the controller's settings to answer at all (judged only once the controller answers).
+    accounting_command: str = ""
+    accounting_fix: str = ""
+    accounting_needs_controller: bool = False
+
+    # --- rendering and running ---------------------------------------------------------------
     template_name: str
     directive_prefix: str
     job_id_variable: str
@@ -318,6 +382,22 @@ class Scheduler(ABC):
         self.user = current_user() if user is None else user
         if not _USER_NAME.fullmatch(self.user):
             raise ValueError(f"refusing unsafe value for the scheduler user: {self.user!r}")
+
+    @classmethod
+    def translate(cls, native: str) -> JobState:
+        """The scheduler's own state word -> :class:`JobState`; a word it does not know is MISSING."""
+        raise NotImplementedError
+
+    @classmethod
+    def site_option(cls, setting: str) -> SiteOption | None:
+        """The site option named ``setting`` (None: not one of this backend's)."""
+        return next((o for o in cls.site_options if o.setting == setting), None)
+
+    @classmethod
+    def constructor_options(cls, values: Mapping[str, str]) -> dict[str, str]:
+        """Constructor keywords from site settings ``values`` (setting name -> value); an option
+        that is unset or empty there is left out (the constructor's default applies)."""
+        return {o.keyword: values[o.setting] for o in cls.site_options if o.keyword and values.get(o.setting)}
 
     @classmethod
     def lookup_options(cls, scheduler_args: Sequence[str]) -> dict[str, Any]:

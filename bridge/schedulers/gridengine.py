@@ -5,18 +5,28 @@ Only our jobs: qstat lists ``-u USER`` (and each job's ``JB_owner`` is checked),
 qstat lists as ours: root is a Grid Engine manager, whose qdel would delete anyone's job.
 Array jobs (``tasks``) are never ours: the bridge submits none.
 
-Measured behaviour this module relies on is in ``/work/shared/notes/gridengine-single-node.md``.
+Measured behaviour this module relies on: ``docs/dev-clusters.md`` (Grid Engine).
 """
 
 from __future__ import annotations
 
 import re
+import signal
 import xml.etree.ElementTree as ET  # parses only qstat's own output
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from bridge.errors import SchedulerUnavailable
-from bridge.schedulers.base import JobInfo, JobSpec, JobState, Scheduler, directive_value, one_line, plain_job_id
+from bridge.schedulers.base import (
+    JobInfo,
+    JobSpec,
+    JobState,
+    Scheduler,
+    SiteOption,
+    directive_value,
+    one_line,
+    plain_job_id,
+)
 
 # qstat's state letters -> JobState. Any other state that holds an "E" (Eqw, Ehqw, ...) is ERROR:
 # the job is parked in an error state and never runs unless an operator clears it (qmod -cj).
@@ -164,7 +174,34 @@ class GridEngineScheduler(Scheduler):
     """
 
     name = "gridengine"
+    aliases = ("sge", "grid engine")
     display_name = "Grid Engine"
+    short_name = "sge"
+    commands = ("qsub", "qstat", "qacct", "qdel")
+    # The cell the commands talk to (its settings.sh sets them); cron and systemd must pass them on.
+    command_environment = ("SGE_ROOT", "SGE_CELL", "SGE_QMASTER_PORT", "SGE_EXECD_PORT")
+    setting_prefix = "HPC_SGE_"
+    site_options = (
+        SiteOption("HPC_SGE_PROJECT", private_as="<project>"),
+        SiteOption("HPC_SGE_QUEUE", private_as="<queue>"),
+        SiteOption("HPC_SGE_PE", default="smp", keyword="pe"),  # parallel environment for multi-CPU jobs
+        SiteOption("HPC_SGE_GPU_RESOURCE", default="gpu", keyword="gpu_resource"),  # consumable counting GPUs
+        # The complex that requests memory (h_vmem where sites enforce it).
+        SiteOption("HPC_SGE_MEMORY_RESOURCE", default="mem_free", keyword="memory_resource"),
+    )
+    account_setting = "HPC_SGE_PROJECT"
+    partition_setting = "HPC_SGE_QUEUE"
+    warning_signal = signal.SIGUSR2  # -notify
+    restart_variables = ("RESTARTED",)
+    controller = "sge_qmaster"
+    # Grid Engine's commands find the qmaster through the cell's settings (its settings.sh sets them).
+    controller_hint = (
+        ", and that SGE_ROOT, SGE_CELL and SGE_QMASTER_PORT are the cell's (source its settings.sh in "
+        "the cron/systemd environment)"
+    )
+    accounting_command = "qacct"
+    accounting_fix = "make the cell's accounting file readable here (qacct reads $SGE_ROOT/$SGE_CELL/common/accounting)"
+    accounting_needs_controller = True  # qacct needs the same cell settings
     template_name = "gridengine.sh"
     directive_prefix = "#$"
     job_id_variable = "JOB_ID"
@@ -188,6 +225,10 @@ class GridEngineScheduler(Scheduler):
             if not _RESOURCE.match(directive_value(what, value)):
                 raise ValueError(f"refusing unsafe value for {what}: {value!r}")
         self.pe, self.gpu_resource, self.memory_resource = pe, gpu_resource, memory_resource
+
+    @classmethod
+    def translate(cls, native: str) -> JobState:
+        return translate(native)
 
     def directives(self, spec: JobSpec) -> list[str]:
         hours, minutes = divmod(int(spec.time_minutes), 60)

@@ -6,19 +6,21 @@ cluster chosen in ``HPC_SCHEDULER_ARGS`` (``-M NAME``) reaches every command, no
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from bridge.errors import SchedulerUnavailable
-from bridge.protocol import format_duration
 from bridge.schedulers.base import (
     CONTINUE_BY,
     JobInfo,
     JobSpec,
     JobState,
     Scheduler,
+    SiteOption,
     directive_value,
+    format_duration,
     one_line,
     plain_job_id,
     scrubbed_environment,
@@ -179,6 +181,27 @@ class SlurmScheduler(Scheduler):
 
     name = "slurm"
     display_name = "Slurm"
+    short_name = "slurm"
+    commands = ("sbatch", "squeue", "sacct", "scancel", "scontrol")
+    setting_prefix = "HPC_SLURM_"
+    site_options = (
+        SiteOption("HPC_SLURM_ACCOUNT", private_as="<account>"),
+        SiteOption("HPC_SLURM_PARTITION", private_as="<partition>"),
+        SiteOption("HPC_SLURM_CONTINUE", default="requeue", choices=CONTINUE_BY),
+    )
+    account_setting = "HPC_SLURM_ACCOUNT"
+    partition_setting = "HPC_SLURM_PARTITION"
+    continue_setting = "HPC_SLURM_CONTINUE"  # requeue (the same job id runs again) or successor
+    warning_signal = signal.SIGUSR1  # --signal=B:USR1@warn_seconds
+    scratch_variables = ("SLURM_TMPDIR",)  # set by some sites' plugins (node-local disk)
+    restart_variables = ("SLURM_RESTART_COUNT",)
+    controller = "slurmctld"
+    commands_hint = ", or set HPC_SCHEDULER=gridengine"
+    accounting_command = "sacct"
+    accounting_fix = (
+        "Slurm needs accounting through slurmdbd (AccountingStorageType=accounting_storage/slurmdbd in "
+        "slurm.conf, slurmdbd running and reachable from this node); ask your site's administrators"
+    )
     template_name = "slurm.sh"
     directive_prefix = "#SBATCH"
     job_id_variable = "SLURM_JOB_ID"
@@ -190,6 +213,10 @@ class SlurmScheduler(Scheduler):
     def __init__(self, *, timeout_s: float = 60.0, user: str | None = None, cluster_args: Sequence[str] = ()) -> None:
         super().__init__(timeout_s=timeout_s, user=user)
         self.cluster_args = tuple(cluster_args)
+
+    @classmethod
+    def translate(cls, native: str) -> JobState:
+        return translate(native)
 
     @classmethod
     def lookup_options(cls, scheduler_args: Sequence[str]) -> dict[str, Any]:

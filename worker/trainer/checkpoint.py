@@ -17,13 +17,14 @@ shuffling generator's state and the epoch's permutation, and the history.
     model-Background.hdf5           the trained model of every finished layer (immutable)
     .checkpoint-0000000013.ckpt.*.tmp   a write in progress (or cut short: removed on the next start)
 
-Every file is written the same way (:func:`write_atomic`): a temporary file in the same
-directory, written, flushed and ``os.fsync``-ed, renamed over the final name with
-``os.replace``, then the directory is fsync-ed. A kill at any instant therefore leaves the
-previous files intact and at most one temporary file, which the next store on the
-directory removes. Checkpoint names never repeat (the sequence number grows), so a file
-once complete never changes, which also makes copying them elsewhere simple (see
-:mod:`worker.trainer.sync`).
+Every file is written the same way (:func:`write_atomic`, through
+:func:`bridge.atomic.atomic_file`, the one module of the project outside ``worker.trainer``
+that this package imports): a temporary file in the same directory, written, flushed and
+``os.fsync``-ed, renamed over the final name with ``os.replace``, then the directory is
+fsync-ed. A kill at any instant therefore leaves the previous files intact and at most one
+temporary file, which the next store on the directory removes. Checkpoint names never repeat
+(the sequence number grows), so a file once complete never changes, which also makes copying
+them elsewhere simple (see :mod:`worker.trainer.sync`).
 
 **Format** (version 1) of a ``.ckpt`` file::
 
@@ -55,15 +56,18 @@ import logging
 import os
 import re
 import struct
-import tempfile
 import zipfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
+# TEMP_SUFFIX: temporary files are ``.<final name>.<random>.tmp``, hidden, and removed by the next writer.
+from bridge.atomic import TEMP_SUFFIX as TEMP_SUFFIX
+from bridge.atomic import atomic_file
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +78,6 @@ CHECKPOINT_PREFIX = "checkpoint-"
 CHECKPOINT_SUFFIX = ".ckpt"
 #: Finished layers' models in the checkpoint directory: ``model-<file name from model_file_names>``.
 MODEL_PREFIX = "model-"
-#: Temporary files are ``.<final name>.<random>.tmp``: hidden, and removed by the next writer.
-TEMP_SUFFIX = ".tmp"
 #: Checkpoints kept in a directory: the newest and the one before it.
 KEEP = 2
 #: Bytes written per ``write`` call (and between two calls of a throttle).
@@ -317,36 +319,8 @@ def generator_from_state(state: Mapping[str, Any]) -> np.random.Generator:
 # ----------------------------------------------------------------------------- files
 
 
-def fsync_directory(directory: Path) -> None:
-    """Make a rename or unlink in ``directory`` durable."""
-    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def atomic_file(path: Path) -> Iterator[io.BufferedWriter]:
-    """Write ``path`` atomically: the block writes to a temporary file beside it, which on
-    success is flushed, fsync-ed and renamed over ``path`` (then the directory is fsync-ed);
-    on an exception it is removed and ``path`` is untouched."""
-    path = Path(path)
-    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            yield handle
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-    fsync_directory(path.parent)
-
-
 def write_atomic(path: Path, data: bytes | memoryview, throttle: Throttle | None = None) -> Path:
-    """Write ``data`` to ``path`` atomically and durably (see :func:`atomic_file`)."""
+    """Write ``data`` to ``path`` atomically and durably (see :func:`bridge.atomic.atomic_file`)."""
     view = memoryview(data)
     with atomic_file(path) as handle:
         for start in range(0, len(view), CHUNK):

@@ -6,15 +6,14 @@ where the original's float64 arrays for 10,000 samples per label took gigabytes.
 
 **The input pipeline** (:func:`training_input`, what ``fit`` reads). Python only cuts
 batches out of a BGR copy of the page (:func:`network_order`, made once per page), as
-uint8, several small batches per call (a fancy-indexed copy of 3 MB for 16 256x256
-patches: about 0.4 ms here); turning them into the network's float32 input, the part that
-costs (12 ms a 256x256 batch in NumPy on one core, 2 ms in TensorFlow), runs in ``tf.data``
-as TensorFlow ops, on two blocks at once and outside the GIL, and the next batches are
-prefetched while the model steps. ``tf.data``'s autotuning is off: with it, destroying each epoch's
-iterator waited for its autotune thread, stalling every epoch by up to tens of seconds on
-a 2-core node (``benchmarks/README.md``, "Trainer"), and a fixed depth needs no tuning
-when a step takes milliseconds on a GPU and seconds on a CPU. ``bench_input.py`` measures
-what it delivers with the model replaced by nothing.
+uint8, several small batches per call (a fancy-indexed copy, cheap); turning them into the
+network's float32 input, the part that costs (far less in TensorFlow than in NumPy), runs in
+``tf.data`` as TensorFlow ops, on two blocks at once and outside the GIL, and the next batches
+are prefetched while the model steps. ``tf.data``'s autotuning is off: with it, destroying each
+epoch's iterator waited for its autotune thread, stalling every epoch on a 2-core node, and a
+fixed depth needs no tuning when a step takes milliseconds on a GPU and seconds on a CPU.
+``bench_input.py`` measures what it delivers with the model replaced by nothing; the figures are
+in ``benchmarks/README.md`` ("Input pipeline", "Trainer").
 """
 
 from __future__ import annotations
@@ -68,8 +67,8 @@ def network_order(image: npt.NDArray[np.uint8]) -> npt.NDArray[np.uint8]:
     """A contiguous copy of an RGB page in the network's channel order (BGR, see :func:`network_input`).
 
     Made once per page: reversing the channels of every batch instead costs more than
-    everything else the input pipeline does (3.5 ms of a 256x256 batch's 5 ms in TensorFlow,
-    5 ms in NumPy), and a contiguous page is cut with plain copies.
+    everything else the input pipeline does (``benchmarks/README.md``, "Input pipeline"), and a
+    contiguous page is cut with plain copies.
     """
     return np.ascontiguousarray(image[..., ::-1])
 

@@ -32,10 +32,9 @@ therefore ``"off"`` by default, on GPUs too. Mixed precision is an opt-in
 (``HPC_MIXED_PRECISION`` on the bridge): ``"float16"`` builds the model under Keras'
 ``mixed_float16`` policy (float16 computation, float32 variables, a float32 sigmoid layer
 so the probabilities and the loss stay float32, and a ``LossScaleOptimizer`` around
-Adam), ``"bfloat16"`` under ``mixed_bfloat16`` (no loss scaling). Measured on an H100
-(``benchmarks/README.md``, "Precision"), both reach float32's validation accuracy but train
-no faster at batch 16, so float32 stays the default; on CPUs float16 is several times
-slower and bfloat16 faster where the CPU has AVX-512 BF16 (same file, "Training throughput").
+Adam), ``"bfloat16"`` under ``mixed_bfloat16`` (no loss scaling). What each policy does to
+accuracy and speed, on GPUs and on CPUs, is measured in ``benchmarks/README.md`` ("Precision",
+"Training throughput"), with the commands that reproduce it.
 
 The saved ``.hdf5`` never carries the policy: :func:`worker.trainer.saving.save_model`
 writes the best weights (float32 variables) into a freshly built float32 model, which loads

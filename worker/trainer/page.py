@@ -16,7 +16,7 @@ from worker.trainer.errors import TrainingInputError
 
 #: A layer (or the selected regions) covers the pixels whose alpha is exactly this.
 OPAQUE = 255
-#: The only formats an input is opened as (PROTOCOL.md: the image is a PNG or JPEG, the layers
+#: The only formats an input is opened as (docs/protocol.md §2.3: the image is a PNG or JPEG, the layers
 #: RGBA PNGs). Nothing else is even identified: no EPS (Ghostscript), TIFF, BMP, GIF, ...
 FORMATS = ("PNG", "JPEG")
 #: The pixel limit (width x height) of one image when the caller gives none; the worker passes

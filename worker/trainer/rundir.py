@@ -26,8 +26,9 @@ array of the labels in training order. Read it with
 samples_per_second`` and one row per layer and epoch, in training order (floats written
 in full precision, ``nan`` where missing).
 
-The history files and the plot are rewritten whole (temporary file, then ``os.replace``),
-so a reader never sees a half-written one. A RunDirectory is meant for one thread.
+The history files and the plot are rewritten whole (temporary file, fsync, then ``os.replace``:
+:func:`bridge.atomic.atomic_file`), so a reader never sees a half-written one. A RunDirectory
+is meant for one thread.
 
 Who may read it: a private run directory (the default, ``HPC_RUNS_SHARED=private``) is 0700
 with 0600 files. A shared one (``group``) is 0750 with 0640 files, so that the group of the
@@ -51,7 +52,6 @@ import math
 import os
 import re
 import stat
-import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
@@ -59,6 +59,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from bridge.atomic import atomic_file
 from worker.trainer.callbacks import EPOCH_KEYS
 
 log = logging.getLogger(__name__)
@@ -89,16 +90,10 @@ def safe_name(name: str, default: str = "run", limit: int = 80) -> str:
 
 
 def _write_atomic(path: Path, write: Callable[[IO[bytes]], object], mode: int = 0o600) -> Path:
-    """Call ``write`` on a temporary file (``mode``) beside ``path``, then rename it over ``path``."""
-    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as handle:
-            write(handle)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    """Call ``write`` on a temporary file (``mode``) beside ``path``, then put it in place atomically
+    and durably (:func:`bridge.atomic.atomic_file`)."""
+    with atomic_file(path, mode) as handle:
+        write(handle)
     return path
 
 

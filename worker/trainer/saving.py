@@ -45,7 +45,6 @@ restore the state and train on (the consumer test checks one step against the wo
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -54,6 +53,7 @@ from typing import Any
 
 import numpy.typing as npt
 
+from bridge.atomic import atomic_file
 from worker.trainer import keras2_hdf5
 from worker.trainer.distribute import dtype_policy
 from worker.trainer.model import build_sae, compile_sae
@@ -110,10 +110,8 @@ def save_model(result: LabelResult, path: Path, settings: TrainSettings) -> Path
         model.optimizer.build(model.trainable_variables)
         state = result.optimizer_variables
     path = Path(path)
-    partial = path.with_name(f".{path.stem}.partial{path.suffix}")
-    try:
-        keras2_hdf5.write(partial, model, state)
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
+    # h5py writes the temporary file by its name: through a Python handle it would write another
+    # layout than the one Rodan's readers were tested on. mode=None: the umask's mode, as h5py's own.
+    with atomic_file(path, mode=None) as handle:
+        keras2_hdf5.write(Path(handle.name), model, state)
     return path

@@ -1,4 +1,4 @@
-"""Training settings (the Rodan job settings the trainer understands)."""
+"""Training settings: what the trainer is told, and its own defaults (none of Rodan's)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,11 @@ MIXED_PRECISION_CHOICES = ("off", "float16", "bfloat16")
 class TrainSettings:
     """How to train one page.
 
-    ``epochs`` is Rodan's "Maximum number of training epochs" (early stopping may end
-    sooner), ``max_samples_per_label`` its "Maximum number of samples per label".
-    ``include_optimizer`` keeps the Adam state in the saved files (three times larger;
+    The first six are the request's, always given (the worker takes them from the parameter
+    file; the defaults are Rodan's, applied by the bridge): ``epochs`` is Rodan's "Maximum
+    number of training epochs" (early stopping may end sooner), ``max_samples_per_label`` its
+    "Maximum number of samples per label", and so on. The rest default to the trainer's own
+    choices: ``include_optimizer`` keeps the Adam state in the saved files (three times larger;
     Rodan only infers, so it is off by default).
 
     ``batch_size`` is the patches of one training step, however many replicas (GPUs)
@@ -35,12 +37,12 @@ class TrainSettings:
     :mod:`worker.trainer.distribute`.
     """
 
-    epochs: int = 15
-    max_samples_per_label: int = 10000
-    patch_height: int = 256
-    patch_width: int = 256
-    batch_size: int = 16
-    patience: int = 3
+    epochs: int
+    max_samples_per_label: int
+    patch_height: int
+    patch_width: int
+    batch_size: int
+    patience: int
     validation_split: float = 0.2
     seed: int | None = None
     include_optimizer: bool = False

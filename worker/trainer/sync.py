@@ -52,12 +52,12 @@ from types import TracebackType
 
 import structlog
 
+from bridge.atomic import atomic_file
 from worker.trainer.checkpoint import (
     CHUNK,
     KEEP,
     CheckpointStore,
     Throttle,
-    atomic_file,
     checkpoint_name,
     checkpoint_sequence,
     list_checkpoints,
@@ -81,7 +81,7 @@ def copy_file_atomic(source: Path, destination: Path, throttle: Throttle | None 
 
     ``source`` is opened first and read through that descriptor, so a concurrent
     ``os.replace`` or unlink of ``source`` cannot tear the copy. ``destination`` appears
-    only once complete and fsync-ed (see :func:`worker.trainer.checkpoint.atomic_file`).
+    only once complete and fsync-ed (see :func:`bridge.atomic.atomic_file`).
     ``throttle`` is called after every chunk with its size.
     """
     total = 0

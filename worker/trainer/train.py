@@ -48,19 +48,11 @@ from worker.trainer.callbacks import (
     EpochShuffle,
     variable_values,
 )
-from worker.trainer.checkpoint import (
-    MODEL_PREFIX,
-    CheckpointStore,
-    FinishedLayer,
-    LayerState,
-    TrainingInterrupted,
-    TrainingState,
-    generator_from_state,
-    write_atomic,
-)
+from worker.trainer.checkpoint import CheckpointStore, LayerState, TrainingInterrupted
 from worker.trainer.dataset import PatchDataset, network_order, split_validation, training_input
 from worker.trainer.distribute import TrainingPlan, dtype_policy, plan_training, trained_optimizer_variables
 from worker.trainer.errors import TrainingInputError
+from worker.trainer.journal import CheckpointJournal, Journal, NoCheckpoints, NoRunDirectory, RunOutputs, SaveLayer
 from worker.trainer.model import build_sae
 from worker.trainer.page import Page
 from worker.trainer.rundir import RunDirectory
@@ -144,8 +136,6 @@ RUN_SETTINGS = (
     "seed",
     "include_optimizer",
 )
-
-SaveLayer = Callable[[LayerState], Path]
 
 
 def run_identity(page: Page, settings: TrainSettings) -> dict[str, Any]:
@@ -526,72 +516,16 @@ def train_page(
     handler should only set the flag it reads) makes training save a checkpoint and raise
     TrainingInterrupted; without ``checkpoints`` it still stops, but nothing is saved.
     """
-    if run_dir is not None:  # first, so that a run that fails on its input still says how it was set
-        run_dir.write_settings(dataclasses.asdict(settings))
+    outputs: RunOutputs = run_dir if run_dir is not None else NoRunDirectory()
+    outputs.write_settings(dataclasses.asdict(settings))  # first: a run that fails on its input says how it was set
     check_page(page, settings)
+    journal = open_journal(page, settings, checkpoints)
+    check_samples(journal.centres, settings)
     labels = list(page.masks)
-    run: dict[str, Any] = {}
-    state: TrainingState | None = None
-    if checkpoints is not None:
-        run = run_identity(page, settings)
-        state = checkpoints.load_latest()
-        if state is not None:
-            check_same_run(state.run, run, checkpoints.directory)
-    seed = settings.seed
-    if state is not None:
-        seed = state.seed
-    elif seed is None and checkpoints is not None:
-        seed = secrets.randbits(63)  # kept in the checkpoints, so that a resumed run continues with it
-    _, *label_seeds = np.random.SeedSequence(seed).spawn(1 + len(labels))
-    if state is not None:
-        centres = state.centres
-        log.info(
-            "resuming from checkpoint %d: %d of %d layers finished",
-            state.sequence, len(state.finished), len(labels),
-        )  # fmt: skip
-    else:
-        centres = run_centres(
-            page.masks, settings.patch_height, settings.patch_width, settings.max_samples_per_label, seed
-        )
-    check_samples(centres, settings)
-
-    records: list[dict[str, Any]] = [dict(r) for r in state.records] if state is not None else []
-    if run_dir is not None:
-        run_dir.reserve_tensorboard_names(labels)  # the same directory per label whichever layer a run starts at
-        if state is not None:
-            run_dir.restore_records(records)
-        on_epoch = run_dir.epoch_callback(on_epoch)
-    passed_on = on_epoch
-
-    def record(event: dict[str, Any]) -> None:
-        records.append(dict(event))
-        if passed_on is not None:
-            passed_on(event)
-
-    finished: dict[str, FinishedLayer] = {f.label: f for f in state.finished} if state is not None else {}
-    current = state.current if state is not None else None
-    known_seed = seed
-
-    def snapshot(layer: LayerState | None) -> TrainingState:
-        assert known_seed is not None  # drawn above whenever there are checkpoints
-        return TrainingState(
-            run=run,
-            seed=known_seed,
-            centres=centres,
-            finished=list(finished.values()),
-            current=layer,
-            records=[dict(r) for r in records],
-        )
-
-    def save_layer(layer: LayerState) -> Path:
-        assert checkpoints is not None
-        return checkpoints.save(snapshot(layer))
-
-    save: SaveLayer | None = None
-    if checkpoints is not None:
-        save = save_layer
-        if state is None:
-            checkpoints.save(snapshot(None))  # the seed and the samples, before any training
+    outputs.reserve_tensorboard_names(labels)  # the same directory per label whichever layer a run starts at
+    journal.restore_records(outputs)
+    record = journal.recording(outputs.epoch_callback(on_epoch))
+    journal.begin()
 
     names = model_file_names(labels)
     models = ModelReuse()
@@ -600,55 +534,72 @@ def train_page(
     out_dir.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Path] = {}
     try:
-        for label, label_seed in zip(labels, label_seeds, strict=True):
-            done = finished.get(label)
-            if done is not None and checkpoints is not None:
-                paths[label] = write_atomic(out_dir / names[label], checkpoints.read_file(done.file))
+        for label, (shuffle_seed, init_seed) in zip(labels, layer_seeds(journal.seed, len(labels)), strict=True):
+            target = out_dir / names[label]
+            if journal.is_finished(label):
+                paths[label], done = journal.restore_finished(label, target)
                 log.info(
                     "layer %r: trained before (best val_accuracy %.4f at epoch %d of %d), model from %s",
-                    label, done.best_val_accuracy, done.best_epoch, done.epochs_run, checkpoints.directory,
+                    label, done.best_val_accuracy, done.best_epoch, done.epochs_run, journal.where,
                 )  # fmt: skip
                 continue
-            shuffle_seed, init_seed = label_seed.spawn(2)
-            resume = current if current is not None and current.label == label else None
-            rng = generator_from_state(resume.rng_state) if resume else np.random.default_rng(shuffle_seed)
             result = train_label(
                 page,
                 label,
-                centres[label],
+                journal.centres[label],
                 settings,
-                shuffle_rng=rng,
-                init_seed=None if seed is None else int(init_seed.generate_state(1)[0]),
+                shuffle_rng=journal.shuffle_rng(label, shuffle_seed),
+                init_seed=init_seed,
                 on_epoch=record,
-                callbacks=() if run_dir is None else run_dir.keras_callbacks(label),
-                resume=resume,
-                save=save,
+                callbacks=outputs.keras_callbacks(label),
+                resume=journal.resume(label),
+                save=journal.save,
                 stop_requested=stop_requested,
                 models=models,
                 bgr=bgr,
             )
-            paths[label] = save_model(result, out_dir / names[label], settings)
-            if checkpoints is not None:
-                data = paths[label].read_bytes()
-                kept = checkpoints.write_file(MODEL_PREFIX + names[label], data)
-                finished[label] = FinishedLayer(
-                    label=label,
-                    file=kept.name,
-                    sha256=hashlib.sha256(data).hexdigest(),
-                    best_epoch=result.best_epoch,
-                    best_val_accuracy=result.best_val_accuracy,
-                    epochs_run=result.epochs_run,
-                    history=result.history,
-                )
-                checkpoints.save(snapshot(None))
+            paths[label] = save_model(result, target, settings)
+            journal.layer_finished(result, paths[label])
             log.info(
                 "layer %r: best val_accuracy %.4f at epoch %d of %d, saved to %s",
                 label, result.best_val_accuracy, result.best_epoch, result.epochs_run, paths[label],
             )  # fmt: skip
-            if run_dir is not None:
-                run_dir.write_artifacts()
+            outputs.write_artifacts()
     except TrainingInterrupted:
-        if run_dir is not None:
-            run_dir.write_artifacts()
+        outputs.write_artifacts()
         raise
     return paths
+
+
+def open_journal(page: Page, settings: TrainSettings, checkpoints: CheckpointStore | None) -> Journal:
+    """The run's journal: resumed from the latest checkpoint in ``checkpoints`` (which must be
+    of this page and these settings), else a new run's (its seed drawn if not set, its
+    samples drawn); without ``checkpoints``, one that saves nothing."""
+    if checkpoints is None:
+        return NoCheckpoints(settings.seed, _sample(page, settings, settings.seed))
+    run = run_identity(page, settings)
+    state = checkpoints.load_latest()
+    if state is None:
+        # kept in the checkpoints, so that a resumed run continues with it
+        seed = settings.seed if settings.seed is not None else secrets.randbits(63)
+        return CheckpointJournal(checkpoints, run, seed, _sample(page, settings, seed), None)
+    check_same_run(state.run, run, checkpoints.directory)
+    log.info(
+        "resuming from checkpoint %d: %d of %d layers finished",
+        state.sequence, len(state.finished), len(page.masks),
+    )  # fmt: skip
+    return CheckpointJournal(checkpoints, run, state.seed, state.centres, state)
+
+
+def _sample(page: Page, settings: TrainSettings, seed: int | None) -> dict[str, Centres]:
+    return run_centres(page.masks, settings.patch_height, settings.patch_width, settings.max_samples_per_label, seed)
+
+
+def layer_seeds(seed: int | None, layers: int) -> list[tuple[np.random.SeedSequence, int | None]]:
+    """Per layer, what seeds its shuffling generator and Keras (for Keras: None without ``seed``)."""
+    _, *per_layer = np.random.SeedSequence(seed).spawn(1 + layers)
+    seeds = []
+    for layer_seed in per_layer:
+        shuffle_seed, init_seed = layer_seed.spawn(2)
+        seeds.append((shuffle_seed, None if seed is None else int(init_seed.generate_state(1)[0])))
+    return seeds

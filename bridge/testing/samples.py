@@ -1,4 +1,4 @@
-"""Sample pages and layers as Rodan's training job receives them (PROTOCOL.md section 2).
+"""Sample pages and layers as Rodan's training job receives them (docs/protocol.md §2).
 
 Everything is written like Rodan stores resources: ``<uploads>/projects/<32 hex>/resources/<32 hex>/
 original_file`` (no extension), and the functions return the request ``inputs`` mapping (input name ->
@@ -7,7 +7,7 @@ resource PATH, ``/uploads/projects/.../original_file``) that Rodan would publish
 - :func:`make_sample_page`: a small synthetic page (parchment, staves, neumes, text, optional extra
   symbol classes) whose layers partition the selected region exactly;
 - :func:`synthesize_page_from_masks`: an RGB page synthesized from the real Einsiedeln annotation
-  layers (``../shared/data/einsiedeln-32r-263v`` beside the checkout), optionally cropped.
+  layers (:data:`EINSIEDELN_DIR`, a data set kept beside the checkout), optionally cropped.
 
 numpy and Pillow are imported inside the functions, so importing this module costs nothing.
 Everything is deterministic for a given ``seed``.
@@ -92,7 +92,7 @@ def layer_input_names(generation: Generation, n_layers: int = 2) -> list[str]:
 
 
 def input_names(generation: Generation, n_layers: int = 2) -> list[str]:
-    """All input names of a request of that generation, exactly as PROTOCOL.md section 2 spells them."""
+    """All input names of a request of that generation, exactly as docs/protocol.md §2.3 spells them."""
     layers = layer_input_names(generation, n_layers)
     if generation == "old":
         return ["Image", "Background", *layers, "Selected Regions"]

@@ -1,4 +1,4 @@
-"""``python -m bridge.standin``: run the Rodan stand-in in the foreground, or write a sample page.
+"""``python -m bridge.testing``: run the Rodan stand-in in the foreground, or write a sample page.
 
 ``serve`` prints exactly one JSON line on stdout once the server listens, e.g.
 ``{"url": "http://127.0.0.1:8123", "host_port": "127.0.0.1:8123", "uploads": "...",
@@ -23,7 +23,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from bridge.standin.server import RodanStandin, User
+from bridge.testing.rodan import RodanStandin, User
 
 
 def _crop(text: str) -> tuple[int, int, int, int]:
@@ -51,7 +51,7 @@ def _add_sample_options(p: argparse.ArgumentParser) -> None:
         "--from-masks",
         type=Path,
         metavar="DATA_DIR",
-        help="synthesize the page from real masks (e.g. /work/shared/data/einsiedeln-32r-263v)",
+        help="synthesize the page from real masks (e.g. the einsiedeln-32r-263v data directory)",
     )
     g.add_argument("--crop", type=_crop, metavar="L,T,R,B", help="crop of --from-masks (Pillow box)")
     g.add_argument(
@@ -64,7 +64,7 @@ def _add_sample_options(p: argparse.ArgumentParser) -> None:
 
 
 def _write_sample(args: argparse.Namespace, uploads: Path, out: Path) -> dict[str, str]:
-    from bridge.standin.samples import make_sample_page, synthesize_page_from_masks
+    from bridge.testing.samples import make_sample_page, synthesize_page_from_masks
 
     if args.from_masks is not None:
         inputs = synthesize_page_from_masks(
@@ -85,7 +85,7 @@ def _write_sample(args: argparse.Namespace, uploads: Path, out: Path) -> dict[st
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m bridge.standin", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bridge.testing", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="serve the Rodan stand-in until SIGTERM/SIGINT")

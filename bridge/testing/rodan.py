@@ -1,4 +1,4 @@
-"""A stand-in for Rodan's REST API (PROTOCOL.md section 4), served for real on loopback.
+"""A stand-in for Rodan's REST API (docs/protocol.md §4), served for real on loopback.
 
 Standard library only, so tests and the demo can start it anywhere. It implements what the HPC side
 uses of Rodan:
@@ -45,14 +45,14 @@ from typing import Any, Literal
 
 __all__ = [
     "DetailStyle",
-    "RequestRecord",
+    "ReceivedRequest",
     "RodanStandin",
     "TokenField",
     "User",
     "token_for_email",
 ]
 
-log = logging.getLogger("bridge.standin")
+log = logging.getLogger(__name__)
 
 TokenField = Literal["email", "username", "both"]
 DetailStyle = Literal["protocol", "rodan"]
@@ -98,7 +98,7 @@ class User:
 
 
 @dataclass
-class RequestRecord:
+class ReceivedRequest:
     """One request as the stand-in received it (``status`` is None when the connection was reset)."""
 
     method: str
@@ -127,7 +127,7 @@ class RequestRecord:
     def __repr__(self) -> str:
         shown = {k: ("<redacted>" if k.lower() in _REDACTED_HEADERS else v) for k, v in self.headers.items()}
         return (
-            f"RequestRecord(method={self.method!r}, path={self.path!r}, query={self.query!r}, "
+            f"ReceivedRequest(method={self.method!r}, path={self.path!r}, query={self.query!r}, "
             f"headers={shown!r}, body_length={self.body_length}, client={self.client!r}, "
             f"time={self.time:.3f}, status={self.status!r}, fault={self.fault!r}, sent={self.sent})"
         )
@@ -319,7 +319,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._send(_detail(413, "Request body too large or malformed."), truncate=False)
             return
         client = self.client_address
-        record = RequestRecord(
+        record = ReceivedRequest(
             method=self.command,
             path=path,
             query=query,
@@ -359,7 +359,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.rfile.close()  # drop the makefile() reference so that close() below is the real one
         self.connection.close()
 
-    def _send(self, response: _Response, *, truncate: bool, record: RequestRecord | None = None) -> None:
+    def _send(self, response: _Response, *, truncate: bool, record: ReceivedRequest | None = None) -> None:
         self.send_response(response.status)
         self.send_header("Content-Type", response.content_type)
         if response.chunked:
@@ -500,7 +500,7 @@ class RodanStandin:
     ``"username"`` (Rodan <= 2.0.14) or ``"both"`` (either identifies the user; the e-mail wins when
     both are sent). ``detail_style="rodan"`` answers failures with the bodies Rodan's own code sends
     (``{"is_logged_in": false}``, ``"You must supply a email"``) instead of the documented
-    ``{"detail": ...}`` strings of PROTOCOL.md. When ``users`` is None there is one account,
+    ``{"detail": ...}`` strings of docs/protocol.md §4.1. When ``users`` is None there is one account,
     ``hpc@example.org`` / ``hpc`` / ``standin-password``.
     """
 
@@ -531,7 +531,7 @@ class RodanStandin:
         self._delays: dict[tuple[str | None, bool], float] = {}  # (paths, downloads_only) -> seconds
         self._generated: dict[str, _Generated] = {}
         self._ignore_ranges: set[str | None] = set()
-        self._log: list[RequestRecord] = []
+        self._log: list[ReceivedRequest] = []
         self._connections: set[socket.socket] = set()
         self._stopping = threading.Event()
         self._server: _Server | None = None
@@ -814,7 +814,7 @@ class RodanStandin:
     # -- request log ------------------------------------------------------------------------------
 
     @property
-    def requests(self) -> list[RequestRecord]:
+    def requests(self) -> list[ReceivedRequest]:
         """Every request received so far, oldest first (a copy of the list)."""
         with self._lock:
             return list(self._log)
@@ -823,7 +823,7 @@ class RodanStandin:
         with self._lock:
             self._log.clear()
 
-    def log_request(self, record: RequestRecord) -> None:
+    def log_request(self, record: ReceivedRequest) -> None:
         with self._lock:
             self._log.append(record)
 

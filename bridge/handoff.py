@@ -1,0 +1,393 @@
+"""The parameter file: what the bridge hands a batch job, as one typed, versioned record.
+
+``Intake`` builds a :class:`JobParameters` for each request it submits and writes
+``to_json()`` to ``SPOOL/params/KEY.json`` (0600: it holds the Rodan token). The worker
+reads it back with :meth:`JobParameters.from_json`, removes the token from disk, and a
+job that continues itself rewrites it for the next job (one more ``continuation.count``,
+its ``run_dir``). Nothing else reads or writes the file.
+
+``from_json`` is strict: a field missing or unknown at any level, or a value of the wrong
+type, is a ``ValueError`` naming the field (``rodan.timeout_s``); it never fills in a
+default. The defaults below are the only copy of each: the bridge's configuration
+(``bridge/config.py``) starts from them, and so do the classes that take the values.
+
+``version`` is :data:`PARAMETERS_VERSION` in every file written. It changes whenever a
+field is added, removed, renamed or changes meaning, and a worker reads only its own
+version: a file of a newer version means the worker environment is older than the bridge
+that submitted the job, one of an older version (or without ``version``, written before
+the field existed) the other way round. Either is refused with a message saying so; the
+worker logs ``params_unreadable`` and exits 3, and the bridge answers the request when the
+job ends (docs/upgrade.md: the bridge and the worker environment are one version).
+
+This module runs on both sides: it imports nothing of the bridge but the protocol, the
+spool's key and the job spec.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, NoReturn
+
+from bridge.protocol import Generation, RequestSettings
+from bridge.schedulers.base import JobSpec
+from bridge.spool import safe_key
+
+#: The layout of the parameter file this code writes and reads (see the module's docstring).
+PARAMETERS_VERSION = 1
+
+#: HPC_MAX_REPLY_BYTES: the largest reply published (RabbitMQ 3.8-3.13 refuse a larger message).
+DEFAULT_MAX_REPLY_BYTES = 128 * 1024 * 1024
+#: HPC_RODAN_TIMEOUT (seconds per request to Rodan) and HPC_RODAN_RETRIES (after the first try).
+DEFAULT_RODAN_TIMEOUT_S = 30.0
+DEFAULT_RODAN_RETRIES = 4
+#: HPC_MAX_INPUT_BYTES: the largest input file downloaded (raw bytes on the wire).
+DEFAULT_MAX_INPUT_BYTES = 1 << 30
+#: HPC_MAX_INPUT_PIXELS: the largest input image opened (width x height).
+DEFAULT_MAX_INPUT_PIXELS = 400_000_000
+#: HPC_SCHEDULER_TIMEOUT: how long one scheduler command may take (the job's own too, when it continues).
+DEFAULT_SCHEDULER_TIMEOUT_S = 60.0
+#: HPC_MAX_CONTINUATIONS: continuation jobs one request may use before it gets an error reply.
+DEFAULT_MAX_CONTINUATIONS = 5
+#: HPC_CHECKPOINT_SYNC: how often node-local checkpoints are copied to the run directory (seconds).
+DEFAULT_CHECKPOINT_SYNC_S = 60.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class RodanAccess:
+    """Where the worker downloads the inputs (``rodan``)."""
+
+    base_url: str
+    token: str  # "" once the worker has read it: the token never stays on disk
+    timeout_s: float = DEFAULT_RODAN_TIMEOUT_S
+    retries: int = DEFAULT_RODAN_RETRIES
+
+    @classmethod
+    def from_json(cls, data: object) -> RodanAccess:
+        r = _Reader(data, cls, "rodan.")
+        return cls(
+            base_url=r.text("base_url"),
+            token=r.text("token"),
+            timeout_s=r.number("timeout_s"),
+            retries=r.integer("retries"),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class BrokerAccess:
+    """Where the worker publishes the reply (``broker``); the outbox takes it when that fails."""
+
+    url: str
+    ca_file: str | None = None
+
+    @classmethod
+    def from_json(cls, data: object) -> BrokerAccess:
+        r = _Reader(data, cls, "broker.")
+        return cls(url=r.text("url"), ca_file=r.optional_text("ca_file"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class InputLimits:
+    """What the worker may download (one file, raw bytes) and open (one image, pixels): ``limits``."""
+
+    max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES
+    max_input_pixels: int = DEFAULT_MAX_INPUT_PIXELS
+
+    @classmethod
+    def from_json(cls, data: object) -> InputLimits:
+        r = _Reader(data, cls, "limits.")
+        return cls(max_input_bytes=r.integer("max_input_bytes"), max_input_pixels=r.integer("max_input_pixels"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerAccess:
+    """How the job asks its scheduler to run it again (``job``): the backend, its site options,
+    the batch script and the spec it was rendered from."""
+
+    scheduler: str
+    options: Mapping[str, str]
+    timeout_s: float = DEFAULT_SCHEDULER_TIMEOUT_S
+    script: Path
+    spec: JobSpec
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "scheduler": self.scheduler,
+            "options": dict(self.options),
+            "timeout_s": self.timeout_s,
+            "script": str(self.script),
+            "spec": self.spec.to_json(),
+        }
+
+    @classmethod
+    def from_json(cls, data: object) -> SchedulerAccess:
+        r = _Reader(data, cls, "job.")
+        spec = _Reader(r.value("spec"), JobSpec, "job.spec.").data
+        try:
+            job_spec = JobSpec.from_json(spec)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"parameter file: field 'job.spec' is not a job spec ({type(exc).__name__})") from None
+        return cls(
+            scheduler=r.text("scheduler"),
+            options=r.texts("options"),
+            timeout_s=r.number("timeout_s"),
+            script=r.path("script"),
+            spec=job_spec,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ContinuationState:
+    """How far the request's chain of jobs has come (``continuation``): ``count`` continuations
+    before this job, at most ``max``; checkpoints on node-local scratch, copied every ``sync_s``."""
+
+    count: int = 0
+    max: int = DEFAULT_MAX_CONTINUATIONS
+    node_local_dir: Path | None = None
+    sync_s: float = DEFAULT_CHECKPOINT_SYNC_S
+
+    def to_json(self) -> dict[str, Any]:
+        node_local = str(self.node_local_dir) if self.node_local_dir is not None else None
+        return {"count": self.count, "max": self.max, "node_local_dir": node_local, "sync_s": self.sync_s}
+
+    @classmethod
+    def from_json(cls, data: object) -> ContinuationState:
+        r = _Reader(data, cls, "continuation.")
+        return cls(
+            count=r.integer("count"),
+            max=r.integer("max"),
+            node_local_dir=r.optional_path("node_local_dir"),
+            sync_s=r.number("sync_s"),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobParameters:
+    """One request's parameter file. The bridge's settings it carries are named after them
+    (``save_optimizer``: HPC_SAVE_OPTIMIZER, ``runs_shared``: HPC_RUNS_SHARED=group, ``seed``:
+    HPC_TRAINING_SEED, None for one drawn per request)."""
+
+    version: int = PARAMETERS_VERSION
+    correlation_id: str
+    reply_to: str
+    generation: Generation
+    inputs: Mapping[str, str]  # Rodan's input name -> its resource
+    layers: tuple[tuple[str, str], ...]  # (input name, reply key), in training order
+    settings: RequestSettings
+    rodan: RodanAccess
+    broker: BrokerAccess
+    spool: Path
+    runs_dir: Path
+    runs_shared: bool = False
+    save_optimizer: bool = False
+    mixed_precision: str = "off"  # HPC_MIXED_PRECISION: the trainer's TrainSettings.mixed_precision
+    seed: int | None = None
+    max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES
+    limits: InputLimits = field(default_factory=InputLimits)
+    job: SchedulerAccess
+    continuation: ContinuationState = field(default_factory=ContinuationState)
+    run_dir: Path | None = None  # set once a first job created it: a continuation resumes there
+    created_at: float
+    bridge_pid: int
+    bridge_version: str  # the worker warns when its own differs (worker_version_mismatch)
+
+    @property
+    def key(self) -> str:
+        return safe_key(self.correlation_id)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "correlation_id": self.correlation_id,
+            "reply_to": self.reply_to,
+            "generation": self.generation.value,
+            "inputs": dict(self.inputs),
+            "layers": [[name, key] for name, key in self.layers],
+            "settings": asdict(self.settings),
+            "rodan": asdict(self.rodan),
+            "broker": asdict(self.broker),
+            "spool": str(self.spool),
+            "runs_dir": str(self.runs_dir),
+            "runs_shared": self.runs_shared,
+            "save_optimizer": self.save_optimizer,
+            "mixed_precision": self.mixed_precision,
+            "seed": self.seed,
+            "max_reply_bytes": self.max_reply_bytes,
+            "limits": asdict(self.limits),
+            "job": self.job.to_json(),
+            "continuation": self.continuation.to_json(),
+            "run_dir": str(self.run_dir) if self.run_dir is not None else None,
+            "created_at": self.created_at,
+            "bridge_pid": self.bridge_pid,
+            "bridge_version": self.bridge_version,
+        }
+
+    @classmethod
+    def from_json(cls, data: object) -> JobParameters:
+        """The parameter file ``data`` (parsed JSON). Raises ValueError naming what is wrong."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"parameter file: must be a JSON object, not {_kind(data)}")
+        check_version(data)
+        r = _Reader(data, cls, "")
+        return cls(
+            version=r.integer("version"),
+            correlation_id=r.text("correlation_id"),
+            reply_to=r.text("reply_to"),
+            generation=_generation(r.text("generation")),
+            inputs=r.texts("inputs"),
+            layers=_layers(r.value("layers")),
+            settings=_request_settings(r.value("settings")),
+            rodan=RodanAccess.from_json(r.value("rodan")),
+            broker=BrokerAccess.from_json(r.value("broker")),
+            spool=r.path("spool"),
+            runs_dir=r.path("runs_dir"),
+            runs_shared=r.flag("runs_shared"),
+            save_optimizer=r.flag("save_optimizer"),
+            mixed_precision=r.text("mixed_precision"),
+            seed=r.optional_integer("seed"),
+            max_reply_bytes=r.integer("max_reply_bytes"),
+            limits=InputLimits.from_json(r.value("limits")),
+            job=SchedulerAccess.from_json(r.value("job")),
+            continuation=ContinuationState.from_json(r.value("continuation")),
+            run_dir=r.optional_path("run_dir"),
+            created_at=r.number("created_at"),
+            bridge_pid=r.integer("bridge_pid"),
+            bridge_version=r.text("bridge_version"),
+        )
+
+
+def check_version(data: Mapping[str, Any]) -> None:
+    """Refuse a parameter file of another layout than this code's (``PARAMETERS_VERSION``)."""
+    version = data.get("version")
+    if version == PARAMETERS_VERSION:
+        return
+    fix = "install the same hpc-bridge version for the bridge and the worker environment (docs/upgrade.md)"
+    written_by = data.get("bridge_version")
+    by = f" by hpc-bridge {written_by}" if isinstance(written_by, str) and len(written_by) <= 64 else ""
+    if version is None:
+        raise ValueError(
+            f"parameter file: it has no 'version' (written{by} before parameter files had one); this worker "
+            f"reads version {PARAMETERS_VERSION}: {fix}"
+        )
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise ValueError(f"parameter file: field 'version' must be an integer, not {_kind(version)}")
+    newer = "a newer" if version > PARAMETERS_VERSION else "an older"
+    raise ValueError(
+        f"parameter file: version {version} (written{by}, {newer} hpc-bridge than this worker, which reads "
+        f"version {PARAMETERS_VERSION}): {fix}"
+    )
+
+
+# --- reading, strictly -------------------------------------------------------------------------
+
+
+def _kind(value: object) -> str:
+    """A JSON value's kind, for messages (never the value: the file holds a token)."""
+    if value is None:
+        return "null"
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list"}.get(
+        type(value), "an object" if isinstance(value, Mapping) else type(value).__name__
+    )
+
+
+class _Reader:
+    """One JSON object of the file, checked against a dataclass: no field missing, none unknown."""
+
+    def __init__(self, data: object, cls: type, where: str) -> None:
+        if not isinstance(data, Mapping):
+            raise ValueError(f"parameter file: field {where.rstrip('.')!r} must be an object, not {_kind(data)}")
+        names = [f.name for f in fields(cls)]
+        problems = []
+        missing = [where + name for name in names if name not in data]
+        if missing:
+            problems.append(f"missing field{'s' if len(missing) > 1 else ''} {_quoted(missing)}")
+        unknown = [where + str(name) for name in data if name not in names]
+        if unknown:
+            problems.append(f"unknown field{'s' if len(unknown) > 1 else ''} {_quoted(unknown)}")
+        if problems:
+            raise ValueError("parameter file: " + "; ".join(problems))
+        self.data: Mapping[str, Any] = data
+        self.where = where
+
+    def _wrong(self, name: str, wanted: str) -> NoReturn:
+        raise ValueError(f"parameter file: field {self.where + name!r} must be {wanted}, not {_kind(self.data[name])}")
+
+    def value(self, name: str) -> Any:
+        return self.data[name]
+
+    def text(self, name: str) -> str:
+        value = self.data[name]
+        if not isinstance(value, str):
+            self._wrong(name, "a string")
+        return value
+
+    def optional_text(self, name: str) -> str | None:
+        return None if self.data[name] is None else self.text(name)
+
+    def integer(self, name: str) -> int:
+        value = self.data[name]
+        if not isinstance(value, int) or isinstance(value, bool):
+            self._wrong(name, "an integer")
+        return value
+
+    def optional_integer(self, name: str) -> int | None:
+        return None if self.data[name] is None else self.integer(name)
+
+    def number(self, name: str) -> float:
+        value = self.data[name]
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            self._wrong(name, "a number")
+        return float(value)
+
+    def flag(self, name: str) -> bool:
+        value = self.data[name]
+        if not isinstance(value, bool):
+            self._wrong(name, "a boolean")
+        return value
+
+    def path(self, name: str) -> Path:
+        return Path(self.text(name))
+
+    def optional_path(self, name: str) -> Path | None:
+        return None if self.data[name] is None else self.path(name)
+
+    def texts(self, name: str) -> dict[str, str]:
+        value = self.data[name]
+        if not isinstance(value, Mapping) or not all(isinstance(v, str) for v in value.values()):
+            self._wrong(name, "an object of strings")
+        return {str(k): v for k, v in value.items()}
+
+
+def _quoted(names: Iterable[str]) -> str:
+    return ", ".join(repr(name) for name in names)
+
+
+def _generation(value: str) -> Generation:
+    try:
+        return Generation(value)
+    except ValueError:
+        raise ValueError(
+            f"parameter file: field 'generation' must be one of {_quoted(g.value for g in Generation)}"
+        ) from None
+
+
+def _layers(value: object) -> tuple[tuple[str, str], ...]:
+    pairs = value if isinstance(value, list) else None
+    if pairs is None or not all(
+        isinstance(p, list) and len(p) == 2 and all(isinstance(s, str) for s in p) for p in pairs
+    ):
+        raise ValueError("parameter file: field 'layers' must be a list of [input name, reply key] pairs")
+    return tuple((name, key) for name, key in pairs)
+
+
+def _request_settings(data: object) -> RequestSettings:
+    r = _Reader(data, RequestSettings, "settings.")
+    readers = {"int": r.integer, "str": r.text}
+    values: dict[str, Any] = {}
+    for f in fields(RequestSettings):
+        read = readers.get(str(f.type))
+        if read is None:  # a new kind of setting: teach this function to read it
+            raise TypeError(f"RequestSettings.{f.name} has type {f.type}, which the parameter file cannot carry")
+        values[f.name] = read(f.name)
+    return RequestSettings(**values)
