@@ -1,5 +1,5 @@
 """Whole AMQP messages as anything on Rodan's side of the queue might publish them, and the contract
-a pass must keep for each (issue #12, item 2). Used by tests/test_fuzz_pass.py.
+a pass must keep for each. Used by tests/test_fuzz_pass.py.
 
 A message is generated as a :class:`MessageSpec` (a body, and how to build each property) before the
 queue names of its batch exist; :func:`publish_batch` resolves it against a :class:`FuzzQueues`,
@@ -45,12 +45,12 @@ import pika.exceptions
 from hypothesis import strategies as st
 from pika.adapters.blocking_connection import BlockingChannel
 
-from tests.conftest import FAST_SETTINGS
+from tests.support.bridge import FAST_SETTINGS
 
 MIB = 1 << 20
 REASON_HEADER = "x-hpc-bridge-reason"  # what marks a dead-letter copy (docs/operator-guide.md)
 
-# --- what a request looks like (PROTOCOL.md section 2) --------------------------------------------
+# --- what a request looks like (docs/protocol.md §2) -----------------------------------------------
 
 OLD_NAMES = ["Image", "Background", "Selected Regions", "Music Layer", "Staff Layer", "Text"]
 NEW_PREFIX = "rgba PNG - Layer "

@@ -1,7 +1,7 @@
 """A fast stand-in for ``python -m worker run PARAMS``: no download, no TensorFlow.
 
 For the fault tests, which need many requests through a real scheduler: it reads the
-parameter file with the real worker code (``worker.job.JobParameters``), drops it as the
+parameter file with the real worker code (``bridge.handoff.JobParameters``), drops it as the
 real worker does, and delivers a small valid models reply (one entry per reply key)
 through the real reply path (``worker.job.deliver``: stage in the outbox, publish with
 confirms, write the replied marker). A request already answered gets nothing more,
@@ -43,11 +43,12 @@ def install(directory: Path) -> Path:
 def main(argv: list[str]) -> int:
     import structlog
 
+    from bridge.handoff import JobParameters
     from bridge.logs import configure_logging
     from bridge.protocol import success_reply
     from bridge.replies import ReplyBox
     from bridge.spool import Spool, read_json
-    from worker.job import JobParameters, deliver
+    from worker.job import deliver
 
     configure_logging(level="INFO", stream=sys.stdout, component="worker")
     params_path = Path(argv[0])

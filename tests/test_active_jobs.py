@@ -41,19 +41,11 @@ from bridge.rodan import RodanClient
 from bridge.schedulers import GridEngineScheduler, JobSpec, SlurmScheduler
 from bridge.schedulers.base import current_user
 from bridge.spool import Spool
-from bridge.standin.server import RodanStandin
-from tests.conftest import (
-    FAST_SETTINGS,
-    RODAN_EMAIL,
-    RODAN_PASSWORD,
-    Queues,
-    Rodan,
-    bridge_environ,
-    cancel_spool_jobs,
-    fake_command,
-    run_bridge,
-    wait_until,
-)
+from bridge.testing.rodan import RodanStandin
+from tests.support.bridge import FAST_SETTINGS, RODAN_EMAIL, RODAN_PASSWORD, bridge_environ, fake_command, run_bridge
+from tests.support.broker import Queues, Rodan
+from tests.support.cluster import cancel_spool_jobs
+from tests.support.wait import wait_until
 
 POLICY = (
     "Batch job submission failed: Job violates accounting/QOS policy (job submit limit, user's size and/or time limits)"

@@ -30,7 +30,9 @@ from bridge.config import load_config
 from bridge.ops.doctor import check_worker
 from bridge.spool import safe_key
 from tests import stub_worker
-from tests.conftest import FAST_SETTINGS, REPO, Cluster, bridge_environ, cancel_ledger_jobs, run_bridge, wait_until
+from tests.support.bridge import FAST_SETTINGS, REPO, bridge_environ, run_bridge
+from tests.support.cluster import Cluster, cancel_ledger_jobs
+from tests.support.wait import wait_until
 
 APPTAINER_DIR = REPO / "deploy" / "apptainer"
 DEFINITION = APPTAINER_DIR / "hpc-worker.def"
@@ -145,6 +147,7 @@ def test_the_interpreter_is_the_same_everywhere(definition: Definition) -> None:
     assert f"HPC_APPTAINER_PYTHON:-{IN_IMAGE_PYTHON}" in WRAPPER.read_text()
 
 
+@pytest.mark.training  # %test imports TensorFlow in a fresh interpreter
 def test_the_definition_builds_and_passes_its_own_test(definition: Definition, tmp_path: Path) -> None:
     """%files, %post and %test as ``apptainer build --build-arg EXTRA=worker`` runs them, with /opt
     moved under a temporary root. Offline: the new environment sees the test environment's packages
@@ -341,6 +344,7 @@ def test_a_wrong_setting_stops_at_once_saying_which(
     assert installed.arguments() == [], "apptainer is never run"
 
 
+@pytest.mark.training  # the probe imports TensorFlow in the worker environment
 def test_doctor_checks_the_worker_through_the_wrapper(tmp_path: Path) -> None:
     """doctor's probe, through the wrapper, in the real worker environment (TensorFlow imported)."""
     installed = install_wrapper(tmp_path, sys.executable)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.support.bridge import REPO
 
 # script -> the columns its (first) table must have
 CASES = {
@@ -36,7 +36,9 @@ def _first_table(text: str) -> tuple[list[str], list[list[str]]]:
 
 
 @pytest.mark.broker
-@pytest.mark.parametrize("script", sorted(CASES))
+@pytest.mark.parametrize(
+    "script", [pytest.param(s, marks=pytest.mark.slurm) if s in NEEDS_SLURM else s for s in sorted(CASES)]
+)
 def test_quick_run_prints_its_table(script: str, broker_url: str, request: pytest.FixtureRequest) -> None:
     if script in NEEDS_SLURM:
         request.getfixturevalue("slurm")

@@ -1,4 +1,4 @@
-"""The pass's boundary (issue #12): no message, and no defect met while handling one, stops the bridge.
+"""The pass's boundary: no message, and no defect met while handling one, stops the bridge.
 
 Each test drives the real pass (``hpc-bridge check`` / ``run`` as cron and systemd run them, or
 ``Bridge.check()`` in-process where a defect has to be injected) against the real broker, the
@@ -25,18 +25,10 @@ from bridge.protocol import MAX_REASON_CHARS
 from bridge.replies import ReplyBox
 from bridge.runner import Bridge
 from bridge.spool import Spool
-from tests.conftest import (
-    FAST_SETTINGS,
-    Cluster,
-    bridge_environ,
-    cancel_ledger_jobs,
-    cancel_spool_jobs,
-    job_parameters_json,
-    jobs_named,
-    run_bridge,
-    wait_until,
-)
-from tests.test_daemon import Daemon
+from tests.support.bridge import FAST_SETTINGS, bridge_environ, job_parameters_json, run_bridge
+from tests.support.cluster import Cluster, cancel_ledger_jobs, cancel_spool_jobs, jobs_named
+from tests.support.daemon import Daemon
+from tests.support.wait import wait_until
 
 
 def events(log: Path, name: str) -> list[dict[str, Any]]:
@@ -169,7 +161,7 @@ def test_a_reply_whose_queue_never_appears_expires_and_is_counted(env, queues, t
     assert json.loads(spool.reply_marker("lonely").read_text())["outcome"] == "expired"
     log = Path(env["HPC_LOG_FILE"])
     assert [e["correlation_id"] for e in events(log, "reply_expired")] == ["lonely"]
-    third = run_bridge(environ, "check")  # settles the record, and the metric counts it
+    third = run_bridge(environ, "check")  # marks the record replied, and the metric counts it
     assert third.returncode == 0
     assert ledger(spool.root, "lonely")["outcome"] == "expired"
     assert 'hpc_bridge_requests_total{outcome="reply_expired"} 1' in metrics.read_text()
@@ -225,7 +217,13 @@ def test_deferral_is_bounded_by_time_not_by_attempts(env, rodan, queues, standin
     assert rodan.drain() == [] and rodan.depth(queues.request) == 1
 
 
-@pytest.mark.parametrize("hold", [("slurm", "--hold"), ("gridengine", "-h")], ids=["slurm", "gridengine"])
+@pytest.mark.parametrize(
+    "hold",
+    [
+        pytest.param(("slurm", "--hold"), marks=pytest.mark.slurm, id="slurm"),
+        pytest.param(("gridengine", "-h"), marks=pytest.mark.gridengine, id="gridengine"),
+    ],
+)
 def test_a_job_pending_longer_than_the_limit_is_cancelled_and_answered_with_the_reason(
     hold, env, rodan, sample_inputs, request
 ):
@@ -344,7 +342,8 @@ def test_prune_command(env, tmp_path):
 
 
 def test_the_workers_error_replies_do_not_show_the_installation(tmp_path):
-    from worker.job import JobParameters, _describe
+    from bridge.handoff import JobParameters
+    from worker.job import _describe
 
     spool = tmp_path / "spool"
     params = JobParameters.from_json(job_parameters_json(spool=str(spool)))

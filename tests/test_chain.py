@@ -14,7 +14,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -25,7 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from bridge.chain import EX_TEMPFAIL, ChainError, ChainSettings, RunDir, cancel_chain
+from bridge.chain import EX_TEMPFAIL, ChainError, ChainRunDir, ChainSettings, cancel_chain
 from bridge.chain.follow import FINAL_EVENTS, follow
 from bridge.chain.link import run_link
 from bridge.chain.rundir import default_run_dir
@@ -34,11 +33,11 @@ from bridge.chain.submit import submit_chain
 from bridge.cli import main as cli_main
 from bridge.errors import SchedulerUnavailable
 from bridge.logs import configure_logging
-from bridge.schedulers import JobInfo, JobSpec, JobState, SlurmScheduler, get_scheduler
+from bridge.schedulers import JobInfo, JobSpec, JobState, get_scheduler
+from tests.support.chain import PY, Recording, link_env, make_chain
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "deploy" / "examples" / "train_chain.py"
-PY = sys.executable
 
 
 @pytest.fixture(autouse=True)
@@ -53,7 +52,7 @@ def unique(label: str) -> str:
 
 
 def events_of(run: Path, name: str | None = None) -> list[dict[str, Any]]:
-    found = RunDir(run).events()
+    found = ChainRunDir(run).events()
     return [e for e in found if name is None or e["event"] == name]
 
 
@@ -185,52 +184,6 @@ def test_cli_refuses_a_run_dir_that_holds_a_chain(
 # --- unit: the link supervisor, with a recording scheduler ----------------------------------------
 
 
-class Recording(SlurmScheduler):
-    """Renders real Slurm scripts but submits nothing: every job id is made up and pending."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.submitted: list[JobSpec] = []
-        self.cancelled: list[str] = []
-
-    def submit(self, script: Path, spec: JobSpec) -> str:
-        self.submitted.append(spec)
-        return str(100 + len(self.submitted))
-
-    def query(self, job_ids: Any) -> dict[str, JobInfo]:
-        return {j: JobInfo(j, JobState.PENDING, "PENDING") for j in job_ids if j not in self.cancelled}
-
-    def cancel(self, job_id: str) -> None:
-        self.cancelled.append(job_id)
-
-
-def make_chain(tmp_path: Path, command: list[str], links: int = 3, **extra: Any) -> tuple[Path, Recording]:
-    run = tmp_path / "run"
-    settings = ChainSettings(
-        name="unit",
-        links=links,
-        time_limit_s=600,
-        warn_s=0,
-        cpus=1,
-        memory_mb=100,
-        gpus=0,
-        command=tuple(command),
-        workdir=str(tmp_path),
-        scheduler="slurm",
-        **extra,
-    )
-    scheduler = Recording()
-    assert submit_chain(settings, RunDir(run), scheduler) == [str(101 + i) for i in range(links)]
-    return run, scheduler
-
-
-def link_env(job_id: str, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HPC_")}
-    env.update(HPC_JOB_ID=job_id, HPC_JOB_TIME_LIMIT_S="600", HPC_JOB_WARN_S="0", HPC_JOB_STARTED=str(int(time.time())))
-    env.update(extra)
-    return env
-
-
 def test_submission_holds_each_link_on_the_one_before(tmp_path: Path) -> None:
     run, scheduler = make_chain(tmp_path, [PY, "-c", "pass"], environment={"A": "x, y"})
     assert [s.hold_after for s in scheduler.submitted] == ["", "101", "102"]
@@ -257,7 +210,7 @@ def test_a_failed_submission_cancels_what_was_submitted(tmp_path: Path) -> None:
     settings = ChainSettings("unit", 3, 600, 0, 1, 100, 0, (PY, "-c", "pass"), str(tmp_path), "slurm")
     scheduler = FailsThird()
     with pytest.raises(SchedulerUnavailable):
-        submit_chain(settings, RunDir(tmp_path / "run"), scheduler)
+        submit_chain(settings, ChainRunDir(tmp_path / "run"), scheduler)
     assert scheduler.cancelled == ["102", "101"]
     assert json.loads((tmp_path / "run" / "chain.json").read_text())["state"] == "submit_failed"
     assert events_of(tmp_path / "run", "chain_failed")
@@ -524,7 +477,7 @@ def test_submission_refuses_an_existing_run_dir_others_could_change(
     scheduler = Recording()
     settings = ChainSettings("unit", 2, 600, 0, 1, 100, 0, (PY, "-c", "pass"), str(tmp_path), "slurm")
     with pytest.raises(ChainError, match=re.escape(message)) as refused:
-        submit_chain(settings, RunDir(run), scheduler)
+        submit_chain(settings, ChainRunDir(run), scheduler)
     assert str(run) in str(refused.value)
     assert not scheduler.submitted and not list(tmp_path.rglob("chain.json"))
 
@@ -636,7 +589,9 @@ def test_the_link_job_logs_why_it_refused_and_exits_1(tmp_path: Path) -> None:
 # --- integration: real schedulers ----------------------------------------------------------------
 
 
-@pytest.fixture(params=[pytest.param("slurm", marks=pytest.mark.slurm), "gridengine"])
+@pytest.fixture(
+    params=[pytest.param("slurm", marks=pytest.mark.slurm), pytest.param("gridengine", marks=pytest.mark.gridengine)]
+)
 def scheduler_name(request: pytest.FixtureRequest) -> str:
     name = str(request.param)
     if name == "slurm":

@@ -216,6 +216,7 @@ def test_a_new_store_removes_what_a_killed_writer_left(tmp_path: Path) -> None:
     assert (tmp_path / "notes.txt").exists() and store.load_latest().seed == 1  # type: ignore[union-attr]
 
 
+@pytest.mark.slow  # 100 writer processes killed
 def test_kill_9_at_random_instants_never_leaves_a_corrupt_checkpoint(tmp_path: Path) -> None:
     """SIGKILL a process that writes 4 MB checkpoints, at a random instant, 100 times.
 

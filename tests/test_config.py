@@ -247,7 +247,8 @@ def test_a_log_file_that_cannot_be_created_is_a_configuration_error(
 def test_site_knobs_default_to_the_plain_behaviour() -> None:
     config = load_config(environ=BASE)
     assert config.job_prologue == "" and config.job_directives == ()
-    assert config.slurm_continue == "requeue" and config.max_active_jobs == 0
+    assert config.continue_by == "requeue" and config.max_active_jobs == 0
+    assert config.site_option("HPC_SLURM_CONTINUE") == "requeue"
     assert config.runs_shared == "private"
     assert config.status_queue == "hpc-bridge.status" and config.status_interval_s == 60.0
     assert load_config(environ={**BASE, "HPC_STATUS_QUEUE": "none"}).status_queue == ""

@@ -26,7 +26,8 @@ import numpy as np
 
 from consumers import CONSUMERS, ConsumerUnavailable, by_name, find_python
 from consumers.verify import PREDICTION_TOLERANCE, STATE_MARGIN, STEP_TOLERANCE, Verdict, page_image, verify
-from tests.conftest import FAST_SETTINGS, bridge_environ, cancel_spool_jobs, run_bridge
+from tests.support.bridge import FAST_SETTINGS, bridge_environ, run_bridge
+from tests.support.cluster import cancel_spool_jobs
 
 pytestmark = [
     pytest.mark.broker,
@@ -132,7 +133,8 @@ def layers_swapped(path: Path) -> Path:
     from worker.trainer.settings import TrainSettings
 
     result = LabelResult("Layer", build_sae(None, None).get_weights(), None, 1, 0.5, 1, 8, 2)
-    save_model(result, path, TrainSettings())
+    request = dict(epochs=15, max_samples_per_label=10000, patch_height=256, patch_width=256, batch_size=16, patience=3)
+    save_model(result, path, TrainSettings(**request))  # Rodan's defaults
     with h5py.File(path, "r+") as f:
         names = [n.decode() for n in f["model_weights"].attrs["layer_names"]]
         a, b = names.index("conv2_2"), names.index("conv9_2")  # both 3x3, 64 -> 64 filters

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +22,13 @@ import pytest
 
 import bridge.schedulers as schedulers
 import worker.continuation as continuation
-from bridge.continuation import read_continuation
+from bridge.continuation_record import read_continuation
 from bridge.errors import SchedulerUnavailable
+from bridge.handoff import JobParameters
 from bridge.schedulers import JobInfo, JobSpec, Scheduler, SlurmScheduler
 from bridge.spool import Spool, atomic_write_json, read_json
-from tests.conftest import fake_command, wait_until
+from tests.support.bridge import fake_command, job_parameters_json
+from tests.support.wait import wait_until
 from worker.continuation import ContinuationPlan, TimeLimitWarning, continue_job
 from worker.job import forget_token
 
@@ -97,7 +101,7 @@ class RecordingScheduler(Scheduler):
         raise AssertionError("not used")
 
 
-def parameters(spool: Path, **continuation_settings: Any) -> dict[str, Any]:
+def parameters_json(spool: Path, *, scheduler: str = "recording", **continuation_settings: Any) -> dict[str, Any]:
     spec = JobSpec(
         name="rodan-c1",
         comment="c1",
@@ -109,40 +113,47 @@ def parameters(spool: Path, **continuation_settings: Any) -> dict[str, Any]:
         workdir=spool / "jobs" / "c1",
         warn_seconds=300,
     )
-    return {
-        "correlation_id": "c1",
-        "rodan": {"base_url": "http://rodan", "token": "tok-123"},
-        "broker": {"url": "amqp://u:p@h/%2F"},
-        "job": {
-            "scheduler": "recording",
+    return job_parameters_json(
+        correlation_id="c1",
+        spool=str(spool),
+        rodan={"base_url": "http://rodan", "token": "tok-123"},
+        broker={"url": "amqp://u:p@h/%2F"},
+        job={
+            "scheduler": scheduler,
             "options": {},
             "timeout_s": 5,
             "script": str(spool / "jobs" / "c1" / "job.sh"),
             "spec": spec.to_json(),
         },
-        "continuation": {"count": 0, "max": 2, "node_local_dir": None, "sync_s": 30, **continuation_settings},
-    }
+        continuation={"count": 0, "max": 2, "node_local_dir": None, "sync_s": 30, **continuation_settings},
+    )
+
+
+def parameters(spool: Path, *, scheduler: str = "recording", **continuation_settings: Any) -> JobParameters:
+    return JobParameters.from_json(parameters_json(spool, scheduler=scheduler, **continuation_settings))
 
 
 def test_the_plan_reads_back_the_job_spec_and_counts() -> None:
-    raw = parameters(Path("/spool"))
-    plan = ContinuationPlan.from_parameters(raw)
-    assert plan is not None
-    assert plan.spec == JobSpec.from_json(json.loads(json.dumps(raw["job"]["spec"])))
+    raw = parameters_json(Path("/spool"))
+    plan = ContinuationPlan.from_parameters(JobParameters.from_json(json.loads(json.dumps(raw))))
+    assert plan.spec == JobSpec.from_json(raw["job"]["spec"])
     assert plan.spec.command[-1] == "/spool/params/c1.json" and plan.spec.warn_seconds == 300
     assert (plan.count, plan.maximum, plan.exhausted, plan.sync_s) == (0, 2, False, 30.0)
-    assert ContinuationPlan.from_parameters({**raw, "continuation": {"count": 2, "max": 2}}).exhausted  # type: ignore[union-attr]
-    assert ContinuationPlan.from_parameters({"correlation_id": "c1"}) is None  # a bridge without continuation
+    assert ContinuationPlan.from_parameters(parameters(Path("/spool"), count=2, max=2)).exhausted
+    without = {k: v for k, v in raw.items() if k != "continuation"}
+    with pytest.raises(ValueError, match="missing field 'continuation'"):
+        JobParameters.from_json(without)  # no default plan: every file says how its job continues
 
 
 def test_the_token_leaves_the_disk_once_read(tmp_path: Path) -> None:
     path = tmp_path / "c1.json"
-    raw = parameters(tmp_path)
-    atomic_write_json(path, raw)
-    kept = forget_token(path, raw, keep_file=True)
-    assert "token" not in kept["rodan"] and "tok-123" not in path.read_text()
+    params = parameters(tmp_path)
+    atomic_write_json(path, params.to_json())
+    kept = forget_token(path, params, keep_file=True)
+    assert kept.rodan.token == "" and params.rodan.token == "tok-123" and "tok-123" not in path.read_text()
+    assert JobParameters.from_json(read_json(path)) == kept  # the next job reads the rest
     assert oct(path.stat().st_mode & 0o777) == "0o600"
-    forget_token(path, raw, keep_file=False)
+    forget_token(path, params, keep_file=False)
     assert not path.exists()
 
 
@@ -155,18 +166,20 @@ def test_the_hand_over_records_the_continuation_and_submits_a_held_successor(
     spool = Spool(tmp_path / "spool").ensure()
     (spool.job_dir("c1")).mkdir(parents=True)
     params_path = spool.params_path("c1")
-    raw = forget_token(params_path, parameters(spool.root), keep_file=True)
-    plan = ContinuationPlan.from_parameters(raw)
-    assert plan is not None
+    params = parameters(spool.root)  # as the job holds them: the token in memory
+    stored = forget_token(params_path, params, keep_file=True)
+    plan = ContinuationPlan.from_parameters(params)
     run_dir = tmp_path / "runs" / "20261126-000000-c1"
     successor = continue_job(
-        plan, params_path=params_path, raw_params=raw, spool=spool, key="c1", run_dir=run_dir, stopped_at="layer 'A'"
+        plan, params_path=params_path, params=params, spool=spool, key="c1", run_dir=run_dir, stopped_at="layer 'A'"
     )
     assert successor == "4242"
     # the next job reads: one more continuation, the same run directory, still no token
     updated = read_json(params_path)
     assert updated["continuation"]["count"] == 1 and updated["run_dir"] == str(run_dir)
-    assert "token" not in updated["rodan"]
+    assert updated["rodan"]["token"] == "" and "tok-123" not in params_path.read_text()
+    following = JobParameters.from_json(updated)
+    assert following == replace(stored, continuation=replace(stored.continuation, count=1), run_dir=run_dir)
     # the record the bridge's reconciliation follows
     record = read_continuation(spool, "c1")
     assert record is not None
@@ -201,11 +214,10 @@ def test_a_busy_scheduler_is_asked_again_at_most_three_times(
     spool = Spool(tmp_path / "spool").ensure()
     spool.job_dir("c1").mkdir(parents=True)
     params_path = spool.params_path("c1")
-    raw = forget_token(params_path, {**parameters(spool.root)}, keep_file=True)
-    raw["job"]["scheduler"] = "busy"
-    plan = ContinuationPlan.from_parameters(raw)
-    assert plan is not None and plan.scheduler == "busy"
-    kwargs = {"params_path": params_path, "raw_params": raw, "spool": spool, "key": "c1", "run_dir": tmp_path}
+    stored = forget_token(params_path, parameters(spool.root, scheduler="busy"), keep_file=True)
+    plan = ContinuationPlan.from_parameters(stored)
+    assert plan.scheduler == "busy"
+    kwargs = {"params_path": params_path, "params": stored, "spool": spool, "key": "c1", "run_dir": tmp_path}
     if continued:
         assert continue_job(plan, stopped_at="here", **kwargs) == "4100"  # type: ignore[arg-type]
         record = read_continuation(spool, "c1")
@@ -218,23 +230,13 @@ def test_a_busy_scheduler_is_asked_again_at_most_three_times(
 
 def test_outside_a_batch_job_there_is_nothing_to_continue(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("HPC_JOB_ID", raising=False)
-    raw = parameters(tmp_path)
-    plan = ContinuationPlan.from_parameters(raw)
-    assert plan is not None
+    params = parameters(tmp_path)
+    plan = ContinuationPlan.from_parameters(params)
     with pytest.raises(RuntimeError, match="HPC_JOB_ID"):
         continue_job(
-            plan, params_path=tmp_path / "p.json", raw_params=raw, spool=Spool(tmp_path), key="c1",
+            plan, params_path=tmp_path / "p.json", params=params, spool=Spool(tmp_path), key="c1",
             run_dir=tmp_path, stopped_at="",
         )  # fmt: skip
-
-
-def _job_parameters(spool: Path) -> Any:
-    from worker.job import JobParameters
-
-    raw = parameters(spool)
-    return JobParameters.from_json(
-        {**raw, "reply_to": "q", "inputs": {}, "layers": [], "settings": {}, "spool": str(spool)}
-    )
 
 
 @pytest.mark.parametrize(
@@ -250,10 +252,10 @@ def test_no_continuation_left_is_one_error_reply_saying_where_training_stopped(
     from worker.job import Stopped, stopped
 
     monkeypatch.setenv("HPC_JOB_TIME_LIMIT_S", "60")
-    raw = parameters(tmp_path, count=count, max=maximum)
-    plan = ContinuationPlan.from_parameters(raw)
+    params = parameters(tmp_path, count=count, max=maximum)
+    plan = ContinuationPlan.from_parameters(params)
     body = stopped(
-        Stopped("layer 'A' epoch 2"), _job_parameters(tmp_path), plan, tmp_path / "p.json", raw,
+        Stopped("layer 'A' epoch 2"), params, plan, tmp_path / "p.json",
         None,  # type: ignore[arg-type]  # not reached: nothing continues
         TimeLimitWarning(time.time() - 1),
     )  # fmt: skip
@@ -262,15 +264,13 @@ def test_no_continuation_left_is_one_error_reply_saying_where_training_stopped(
 
 def test_the_bridges_rodan_timeout_and_retries_reach_the_worker(tmp_path: Path) -> None:
     """The worker's downloads use HPC_RODAN_TIMEOUT / HPC_RODAN_RETRIES from the parameter file
-    (it used fixed 30 s and 4 retries, so a hanging Rodan cost every job ~165 s); an older file
-    without them gets the old defaults."""
-    from worker.job import JobParameters
-
-    base = {**parameters(tmp_path), "reply_to": "q", "inputs": {}, "layers": [], "settings": {}, "spool": str(tmp_path)}
+    (it used fixed 30 s and 4 retries, so a hanging Rodan cost every job ~165 s); a file without
+    them is refused, not read with defaults of the worker's own."""
+    base = parameters_json(tmp_path)
     given = JobParameters.from_json({**base, "rodan": {**base["rodan"], "timeout_s": 7.5, "retries": 1}})
-    assert (given.rodan_timeout_s, given.rodan_retries) == (7.5, 1)
-    older = JobParameters.from_json(base)
-    assert (older.rodan_timeout_s, older.rodan_retries) == (30.0, 4)
+    assert (given.rodan.timeout_s, given.rodan.retries) == (7.5, 1)
+    with pytest.raises(ValueError, match=re.escape("missing fields 'rodan.timeout_s', 'rodan.retries'")):
+        JobParameters.from_json({**base, "rodan": {"base_url": "http://rodan", "token": "tok-123"}})
 
 
 # --- Slurm: requeue, or a successor for sites that forbid requeue (HPC_SLURM_CONTINUE) -----------
@@ -334,10 +334,10 @@ def test_an_unknown_way_to_continue_never_reaches_a_script(tmp_path: Path) -> No
 
 
 def test_the_way_to_continue_travels_in_the_parameter_file(tmp_path: Path) -> None:
-    raw = parameters(tmp_path)
+    raw = parameters_json(tmp_path)
     raw["job"]["spec"] = slurm_spec(tmp_path, continue_by="successor").to_json()
-    plan = ContinuationPlan.from_parameters(json.loads(json.dumps(raw)))
-    assert plan is not None and plan.spec.continue_by == "successor"
+    plan = ContinuationPlan.from_parameters(JobParameters.from_json(json.loads(json.dumps(raw))))
+    assert plan.spec.continue_by == "successor"
     # a parameter file written before the setting existed: the job goes on as it was submitted
     older = {k: v for k, v in raw["job"]["spec"].items() if k != "continue_by"}
     assert JobSpec.from_json(older).continue_by == "requeue"
@@ -366,12 +366,10 @@ def test_a_successor_submitted_despite_an_error_is_taken_not_submitted_again(
     spool = Spool(tmp_path / "spool").ensure()
     spool.job_dir("c1").mkdir(parents=True)
     params_path = spool.params_path("c1")
-    raw = forget_token(params_path, parameters(spool.root), keep_file=True)
-    raw["job"]["scheduler"] = "timingout"
-    plan = ContinuationPlan.from_parameters(raw)
-    assert plan is not None
+    stored = forget_token(params_path, parameters(spool.root, scheduler="timingout"), keep_file=True)
+    plan = ContinuationPlan.from_parameters(stored)
     successor = continue_job(
-        plan, params_path=params_path, raw_params=raw, spool=spool, key="c1", run_dir=tmp_path, stopped_at="here"
+        plan, params_path=params_path, params=stored, spool=spool, key="c1", run_dir=tmp_path, stopped_at="here"
     )
     assert successor == "4242" and len(RecordingScheduler.submitted) == 1  # one successor, not three
     record = read_continuation(spool, "c1")

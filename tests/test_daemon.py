@@ -6,57 +6,17 @@ import json
 import os
 import signal
 import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pika
 import pytest
 
-from tests.conftest import FAST_SETTINGS, REPO, bridge_environ, cancel_spool_jobs, jobs_named, wait_until
+from tests.support.bridge import bridge_environ
+from tests.support.cluster import cancel_spool_jobs, jobs_named
+from tests.support.daemon import DAEMON_SETTINGS, Daemon, connection_named
+from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.broker]
-
-SETTINGS = {**FAST_SETTINGS, "Maximum number of training epochs": 1, "Maximum memory (MB)": 2048}
-
-
-class Daemon:
-    def __init__(self, env: dict[str, str], log: Path, spool: Path) -> None:
-        full = {k: v for k, v in os.environ.items() if not k.startswith(("RABBITMQ_", "RODAN_", "HPC_"))}
-        full.update(env)
-        self.log, self.spool = log, spool
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bridge", "run"],
-            env=full,
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        wait_until(lambda: self.events("broker_connected"), 30, 0.1, "the daemon to connect")
-
-    def events(self, name: str | None = None) -> list[dict[str, Any]]:
-        if not self.log.exists():
-            return []
-        events = [json.loads(line) for line in self.log.read_text().splitlines() if line.startswith("{")]
-        return [e for e in events if name is None or e["event"] == name]
-
-    def record(self, corr: str) -> dict[str, Any] | None:
-        path = self.spool / "ledger" / f"{corr}.json"
-        return json.loads(path.read_text()) if path.exists() else None
-
-    def state(self, corr: str) -> str:
-        record = self.record(corr)
-        return record["state"] if record else ""
-
-    def stop(self) -> int:
-        """SIGTERM, and the exit status; killed (status -9) if it has not exited within 60 s."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait(timeout=10)
 
 
 @pytest.fixture
@@ -78,7 +38,7 @@ def test_daemon_picks_up_reconciles_and_stops_on_sigterm(daemon_env, rodan, samp
     env, log, spool = daemon_env
     daemon = Daemon(env, log, spool)
     try:
-        corr = rodan.publish_request(sample_inputs("new", n_layers=1), SETTINGS)
+        corr = rodan.publish_request(sample_inputs("new", n_layers=1), DAEMON_SETTINGS)
         wait_until(lambda: daemon.state(corr) in ("submitted", "replied"), 15, 0.05, "pickup")
         replies: list[tuple[Any, bytes, dict[str, Any]]] = []
         wait_until(lambda: replies.extend(rodan.drain()) or replies, 120, 1, "the reconciliation reply")
@@ -95,7 +55,7 @@ def test_sigterm_finishes_the_message_in_hand(daemon_env, rodan, sample_inputs, 
     env, log, spool = daemon_env
     standin.delay(4, paths="/api/auth/token/")
     daemon = Daemon(env, log, spool)
-    corr = rodan.publish_request(sample_inputs("new", n_layers=1), SETTINGS)
+    corr = rodan.publish_request(sample_inputs("new", n_layers=1), DAEMON_SETTINGS)
     wait_until(lambda: daemon.events("request_received"), 15, 0.05, "the daemon to take the request")
     daemon.proc.send_signal(signal.SIGTERM)
     assert daemon.proc.wait(timeout=60) == 0
@@ -103,16 +63,6 @@ def test_sigterm_finishes_the_message_in_hand(daemon_env, rodan, sample_inputs, 
     assert len(jobs_named(f"rodan-{corr}")) == 1
     assert rodan.depth(queues.request) == 0, "and acked"
     assert daemon.events("request_acked") and daemon.events("daemon_stop")
-
-
-def _connection_named(given: str) -> list[str]:
-    """Broker-side ids (Erlang pids) of the connections whose client called itself ``given``."""
-    out = subprocess.run(
-        ["rabbitmqctl", "-q", "list_connections", "--no-table-headers", "pid", "client_properties"],
-        capture_output=True,
-        text=True,
-    ).stdout
-    return [line.split("\t")[0] for line in out.splitlines() if f'{{"connection_name","{given}"}}' in line]
 
 
 @pytest.mark.skipif(
@@ -124,12 +74,12 @@ def test_daemon_reconnects_after_the_broker_drops_it(daemon_env, rodan, sample_i
     env, log, spool = daemon_env
     daemon = Daemon(env, log, spool)
     try:
-        mine = _connection_named(f"hpc-bridge/{daemon.proc.pid}")
+        mine = connection_named(f"hpc-bridge/{daemon.proc.pid}")
         assert len(mine) == 1
         subprocess.run(["rabbitmqctl", "-q", "close_connection", mine[0], "test: simulated broker loss"], check=True)
         wait_until(lambda: daemon.events("broker_lost"), 15, 0.1, "the daemon to notice")
         wait_until(lambda: len(daemon.events("broker_connected")) >= 2, 30, 0.1, "the daemon to reconnect")
-        corr = rodan.publish_request(sample_inputs("new", n_layers=1), SETTINGS)
+        corr = rodan.publish_request(sample_inputs("new", n_layers=1), DAEMON_SETTINGS)
         wait_until(lambda: daemon.state(corr) in ("submitted", "replied"), 15, 0.1, "pickup after reconnecting")
     finally:
         assert daemon.stop() == 0
@@ -140,7 +90,7 @@ def test_heartbeats_are_serviced_while_rodan_is_slow(daemon_env, rodan, sample_i
     standin.delay(12, paths="/api/auth/token/")  # six heartbeat intervals
     daemon = Daemon({**env, "HPC_BROKER_HEARTBEAT": "2"}, log, spool)
     try:
-        corr = rodan.publish_request(sample_inputs("new", n_layers=1), SETTINGS)
+        corr = rodan.publish_request(sample_inputs("new", n_layers=1), DAEMON_SETTINGS)
         wait_until(lambda: daemon.state(corr) in ("submitted", "replied"), 60, 0.2, "the slow submission")
         wait_until(lambda: daemon.events("request_acked"), 10, 0.1, "the ack")
         assert not daemon.events("broker_lost"), "the connection dropped while the token was fetched"
@@ -164,7 +114,7 @@ def test_the_daemon_is_a_consumer_on_the_request_queue(daemon_env, broker_url, q
     daemon = Daemon(env, log, spool)
     try:
         assert _consumers(broker_url, queues.request) == 1, "RabbitMQ shows the daemon as a consumer"
-        corr = rodan.publish_request(sample_inputs("new", n_layers=1), SETTINGS)
+        corr = rodan.publish_request(sample_inputs("new", n_layers=1), DAEMON_SETTINGS)
         wait_until(lambda: daemon.state(corr) in ("submitted", "replied"), 15, 0.05, "pickup")
         assert rodan.depth(queues.request) == 0
         assert _consumers(broker_url, queues.request) == 1
@@ -183,9 +133,9 @@ def test_a_deferred_request_does_not_hold_up_the_ones_behind_it(
     standin.fail_next(100000, status=503, paths=stuck_page["Image"])  # this request's input check fails
     daemon = Daemon({**env, "HPC_RODAN_RETRIES": "0"}, log, spool)
     try:
-        stuck = rodan.publish_request(stuck_page, SETTINGS)
+        stuck = rodan.publish_request(stuck_page, DAEMON_SETTINGS)
         wait_until(lambda: daemon.events("request_deferred"), 30, 0.05, "the first request to be deferred")
-        behind = rodan.publish_request(sample_inputs("new", n_layers=1, seed=12), SETTINGS)
+        behind = rodan.publish_request(sample_inputs("new", n_layers=1, seed=12), DAEMON_SETTINGS)
         wait_until(lambda: daemon.state(behind) in ("submitted", "replied"), 30, 0.1, "the request behind it")
         assert daemon.state(stuck) == "received", "the first one is still waiting for its retry"
         assert _consumers(broker_url, queues.request) == 1

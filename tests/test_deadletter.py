@@ -14,7 +14,8 @@ from typing import Any
 import pika
 import pytest
 
-from tests.conftest import FAST_SETTINGS, REPO, bridge_environ, cancel_spool_jobs, run_bridge
+from tests.support.bridge import FAST_SETTINGS, REPO, bridge_environ, run_bridge
+from tests.support.cluster import cancel_spool_jobs
 
 
 def ops(env: dict[str, str], *args: str, stdin: Any = subprocess.DEVNULL) -> subprocess.CompletedProcess[str]:

@@ -24,7 +24,7 @@ import pytest
 from bridge.config import known_keys, load_config
 from bridge.errors import ConfigError
 from bridge.spool import Spool
-from tests.conftest import Queues
+from tests.support.broker import Queues
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "credentials.env.example"

@@ -10,9 +10,9 @@ from typing import Any
 import pika
 import pytest
 
-from bridge.standin.server import RodanStandin
-from tests.conftest import RODAN_PASSWORD, Queues, bridge_environ, run_bridge
-from tests.test_tls_broker import tls_proxy  # noqa: F401 - a fixture
+from bridge.testing.rodan import RodanStandin
+from tests.support.bridge import RODAN_PASSWORD, bridge_environ, run_bridge
+from tests.support.broker import Queues
 
 pytestmark = [pytest.mark.slurm, pytest.mark.broker, pytest.mark.usefixtures("slurm")]
 

@@ -24,9 +24,11 @@ import pytest
 from bridge.config import BridgeConfig, load_config
 from bridge.ops.probe import NODE_CHECKS, Outcome, ProbeOptions, broker_address, judge, run_probe
 from bridge.schedulers import JobInfo, JobState
-from bridge.standin.server import RodanStandin
-from tests.conftest import RODAN_PASSWORD, Cluster, Queues, bridge_environ, run_bridge
-from tests.tls_proxy import tls_proxy
+from bridge.testing.rodan import RodanStandin
+from tests.support.bridge import RODAN_PASSWORD, bridge_environ, run_bridge
+from tests.support.broker import Queues
+from tests.support.cluster import Cluster
+from tests.support.tls_proxy import tls_proxy
 from worker.probe import judge_gpus, scratch_candidates
 
 pytestmark = [pytest.mark.broker]

@@ -12,10 +12,7 @@ import base64
 import json
 import os
 import shutil
-import subprocess
 import time
-from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,72 +20,14 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bridge.standin.server import token_for_email
-from tests.conftest import (
-    FAST_SETTINGS,
-    RODAN_EMAIL,
-    Cluster,
-    Rodan,
-    bridge_environ,
-    cancel_ledger_jobs,
-    run_bridge,
-    wait_until,
-)
+from bridge.testing.rodan import token_for_email
+from tests.support.bridge import FAST_SETTINGS, RODAN_EMAIL, bridge_environ, run_bridge
+from tests.support.harness import Harness
+from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.broker]
 
 FAST = FAST_SETTINGS
-
-
-class Harness:
-    """One test's bridge: its environment, spool, log, and the replies Rodan received."""
-
-    def __init__(self, env: dict[str, str], spool: Path, rodan: Rodan, cluster: Cluster) -> None:
-        self.env = env
-        self.spool = spool
-        self.rodan = rodan
-        self.cluster = cluster
-        self.replies: dict[str, list[bytes]] = defaultdict(list)
-        self.argv_seen: list[str] = []
-
-    def check(self, **extra: str) -> subprocess.CompletedProcess[str]:
-        result = run_bridge({**self.env, **extra}, "check")
-        assert result.returncode == 0, result.stderr[-2000:]
-        return result
-
-    def collect(self) -> dict[str, list[bytes]]:
-        for corr, body, _headers in self.rodan.drain():
-            self.replies[corr or ""].append(body)
-        return self.replies
-
-    def drive(self, corrs: list[str], timeout: float, during: Callable[[], None] | None = None) -> None:
-        """Run cron passes until every request has a reply (watching process arguments meanwhile)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self.check()
-            self.argv_seen += subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()
-            if during:
-                during()
-            self.collect()
-            if all(self.replies.get(c) for c in corrs):
-                return
-            time.sleep(2)
-        missing = [c for c in corrs if not self.replies.get(c)]
-        raise AssertionError(f"no reply within {timeout} s for {missing}; log tail:\n{self.log_tail()}")
-
-    def ledger(self, corr: str) -> dict[str, Any]:
-        return json.loads((self.spool / "ledger" / f"{corr}.json").read_text())
-
-    def log_events(self) -> list[dict[str, Any]]:
-        path = Path(self.env["HPC_LOG_FILE"])
-        return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
-
-    def log_tail(self) -> str:
-        path = Path(self.env["HPC_LOG_FILE"])
-        return "\n".join(path.read_text().splitlines()[-30:]) if path.exists() else "(no log)"
-
-    def job_output(self, corr: str) -> str:
-        return "\n".join(p.read_text() for p in (self.spool / "jobs" / corr).glob("job-*.out"))
 
 
 @pytest.fixture
@@ -99,13 +38,7 @@ def harness(broker_url, standin, queues, rodan, tmp_path, cluster):
     )
     h = Harness(env, spool, rodan, cluster)
     yield h
-    cancel_ledger_jobs(spool, cluster)
-
-
-def only_reply(h: Harness, corr: str) -> dict[str, Any]:
-    bodies = h.replies[corr]
-    assert len(bodies) == 1, f"{len(bodies)} replies for {corr}"
-    return json.loads(bodies[0])
+    h.teardown()
 
 
 @pytest.mark.training
@@ -113,9 +46,7 @@ def test_both_generations_train_and_reply_with_loadable_models(harness, rodan, s
     old = rodan.publish_request(sample_inputs("old", height=320, width=384, seed=1), FAST)
     new = rodan.publish_request(sample_inputs("new", n_layers=2, height=320, width=384, seed=2), FAST)
     harness.drive([old, new], timeout=420)
-    time.sleep(3)
-    harness.check()
-    harness.collect()
+    harness.settle([old, new])
 
     import keras
 
@@ -124,7 +55,7 @@ def test_both_generations_train_and_reply_with_loadable_models(harness, rodan, s
         new: ["Background Model", "Model 0", "Model 1"],
     }
     for corr, keys in expected.items():
-        reply = only_reply(harness, corr)
+        reply = harness.reply(corr)
         assert sorted(reply) == sorted(keys), reply.get("error")
         for key in keys:
             path = tmp_path / f"{corr}-{key}.hdf5"
@@ -198,14 +129,12 @@ def test_jobs_ending_without_a_reply_get_one_error_naming_the_state(harness, rod
 
     harness.drive(list(expectations), timeout=300, during=cancel_when_running)
     for corr, fragments in expectations.items():
-        error = only_reply(harness, corr)["error"]
+        error = harness.reply(corr)["error"]
         for fragment in fragments:
             assert fragment in error, f"{fragment!r} not in {error!r}"
-    # More passes publish nothing more: exactly one reply each.
-    harness.check()
-    time.sleep(1)
-    harness.check()
-    assert all(len(harness.collect()[c]) == 1 for c in expectations)
+    # Settled, after their jobs ended and more passes: still exactly one reply each.
+    harness.settle(list(expectations))
+    assert all(len(harness.replies[c]) == 1 for c in expectations)
 
 
 #: The scheduler's words for a job that asks for more memory than any node has.
@@ -228,7 +157,7 @@ def test_invalid_requests_get_one_error_and_are_dead_lettered(harness, rodan, sa
     harness.check()
     harness.collect()
     for corr, fragment in cases.items():
-        error = only_reply(harness, corr)["error"]
+        error = harness.reply(corr)["error"]
         assert fragment in error, f"{fragment!r} not in {error!r}"
         record = harness.ledger(corr)
         assert record["state"] == "rejected" and record["job_id"] == "" and record["dead_lettered"]
@@ -241,7 +170,7 @@ def test_invalid_requests_get_one_error_and_are_dead_lettered(harness, rodan, sa
     refused = rodan.publish_request(good, FAST)
     harness.check(RODAN_PASSWORD="wrong-password")
     harness.collect()
-    assert "Rodan refused the HPC account" in only_reply(harness, refused)["error"]
+    assert "Rodan refused the HPC account" in harness.reply(refused)["error"]
     assert cluster.jobs_named(f"rodan-{refused}") == [] and rodan.depth(queues.request) == 0
     assert [c for c, _b, _h in rodan.drain(queues.dead)] == [refused]
 
@@ -268,7 +197,7 @@ def test_rodan_outage_defers_then_bounded_error(harness, rodan, sample_inputs, s
     time.sleep(2.1)
     harness.check(HPC_RODAN_RETRIES="0", HPC_DEFER_LIMIT="2")
     harness.collect()
-    error = only_reply(harness, stuck)["error"]
+    error = harness.reply(stuck)["error"]
     assert error.startswith("gave up after retrying for ") and "(2 attempts, HPC_DEFER_LIMIT): Rodan" in error, error
     assert rodan.depth(queues.request) == 0
 
@@ -291,7 +220,7 @@ def test_a_deferred_request_the_broker_lost_gets_one_error_reply(harness, rodan,
         harness.check(HPC_RODAN_RETRIES="0", HPC_MISSING_TIMEOUT="1")
         harness.check(HPC_RODAN_RETRIES="0", HPC_MISSING_TIMEOUT="1")  # and never twice
         harness.collect()
-        error = only_reply(harness, corr)["error"]
+        error = harness.reply(corr)["error"]
         assert error.startswith("the request was lost from the broker's queue") and "run the job again" in error
         assert harness.ledger(corr)["state"] == "rejected"
         assert [e["correlation_id"] for e in harness.log_events() if e["event"] == "request_lost"] == [corr]
@@ -316,20 +245,16 @@ def test_sigkill_between_submit_and_ack_submits_nothing_twice(harness, rodan, sa
     job_ids = wait_until(lambda: cluster.jobs_named(record["job_name"]), 30, what="the job to be visible")
     assert len(job_ids) == 1
     harness.drive([corr], timeout=300)
-    time.sleep(2)
-    harness.check()
-    harness.collect()
+    harness.settle([corr])
     assert cluster.jobs_named(record["job_name"]) == job_ids, "the redelivered request was submitted again"
-    assert "Background Model" in only_reply(harness, corr)
+    assert "Background Model" in harness.reply(corr)
     assert any(e["event"] == "request_adopted_job" for e in harness.log_events())
 
 
 @pytest.mark.training
 def test_enqueue_waits_for_the_daemon_and_a_real_training(harness, sample_inputs, tmp_path):
     """Rodan's side as a command (``enqueue --wait``) against the ``run`` daemon."""
-    from tests.test_daemon import Daemon
-
-    daemon = Daemon({**harness.env, "HPC_RECONCILE_INTERVAL": "5"}, Path(harness.env["HPC_LOG_FILE"]), harness.spool)
+    daemon = harness.start_daemon(HPC_RECONCILE_INTERVAL="5")
     try:
         inputs = tmp_path / "inputs.json"
         inputs.write_text(json.dumps(sample_inputs("new", n_layers=1, height=320, width=384, seed=9)))
@@ -349,7 +274,7 @@ def test_enqueue_waits_for_the_daemon_and_a_real_training(harness, sample_inputs
         )
         assert result.returncode == 0, result.stderr[-2000:]
         out = json.loads(result.stdout.strip().splitlines()[-1])
-        # the worker published the reply itself: the daemon settles it on its next reconciliation
+        # the worker published the reply itself: the daemon marks it replied on its next reconciliation
         wait_until(lambda: harness.ledger(out["correlation_id"])["state"] == "replied", 30, 0.5, "the ledger")
     finally:
         assert daemon.stop() == 0
@@ -482,9 +407,7 @@ def test_training_longer_than_one_job_continues_and_equals_an_uninterrupted_run(
             shown_continued.append((rows[continued], record, status(harness)[2]))
 
     harness.drive([continued, reference], timeout=900, during=watch_status)
-    time.sleep(3)
-    harness.check()
-    harness.collect()
+    harness.settle([continued, reference])
 
     runs = {}
     for corr in (continued, reference):
@@ -517,8 +440,8 @@ def test_training_longer_than_one_job_continues_and_equals_an_uninterrupted_run(
     for key in ("Background Model", "Model 0"):
         epochs = [list(histories[corr][f"{key}/epoch"]) for corr in (continued, reference)]
         assert epochs[0] == epochs[1] == [1.0, 2.0, 3.0, 4.0]
-    got = models_of(only_reply(harness, continued), tmp_path / "continued")
-    want = models_of(only_reply(harness, reference), tmp_path / "reference")
+    got = models_of(harness.reply(continued), tmp_path / "continued")
+    want = models_of(harness.reply(reference), tmp_path / "reference")
     assert sorted(got) == sorted(want) == ["Background Model", "Model 0"]
     for key in want:
         for a, b in zip(got[key], want[key], strict=True):
@@ -578,7 +501,7 @@ def test_a_training_needing_more_jobs_than_allowed_gets_one_error_reply(harness,
     work = {**LONG, "Maximum number of training epochs": 30, "Maximum number of samples per label": 1500}
     corr = rodan.publish_request(page, {**work, "Maximum time (D-HH:MM)": "0-00:01"})
     harness.drive([corr], timeout=400)
-    error = only_reply(harness, corr)["error"]
+    error = harness.reply(corr)["error"]
     assert "training needs more time than 2 jobs of 60 s each: it stopped at layer" in error
     assert "after 1 continuations; raise 'Maximum time (D-HH:MM)' or the bridge's HPC_MAX_CONTINUATIONS" in error
     record = harness.ledger(corr)

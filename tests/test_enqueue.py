@@ -15,7 +15,7 @@ from typing import Any
 import pika
 import pytest
 
-from tests.conftest import REPO, bridge_environ
+from tests.support.bridge import REPO, bridge_environ
 
 pytestmark = [pytest.mark.broker]
 

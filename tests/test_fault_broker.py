@@ -1,4 +1,4 @@
-"""Broker outages while ``hpc-bridge run`` consumes and workers publish (issue #6, fault suite item 2).
+"""Broker outages while ``hpc-bridge run`` consumes and workers publish (fault suite item 2: docs/reliability.md).
 
 Every test here runs against a PRIVATE RabbitMQ node (its own node name, ports, data and log
 directories, Erlang cookie), started once per session, so that stopping and restarting it never
@@ -32,9 +32,7 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 import uuid
-from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,9 +42,12 @@ import pika
 import pytest
 from pika.adapters.blocking_connection import BlockingChannel
 
-from bridge.standin.server import RodanStandin
-from tests.conftest import Queues, Rodan, bridge_environ, cancel_spool_jobs, jobs_named, wait_until
-from tests.test_daemon import Daemon
+from bridge.testing.rodan import RodanStandin
+from tests.support.bridge import bridge_environ, job_parameters_json, settled
+from tests.support.broker import Queues, Rodan
+from tests.support.cluster import Cluster, jobs_named
+from tests.support.harness import Harness
+from tests.support.wait import wait_until
 
 # One private node for the whole run: with pytest-xdist's --dist loadgroup (deploy/dev/test.sh) these
 # tests share one worker, so two nodes never boot at once on 2 cores (one then failed to start).
@@ -217,10 +218,11 @@ from bridge.logs import configure_logging
 
 configure_logging(stream=sys.stdout, component="worker")
 
+from bridge.handoff import JobParameters
 from bridge.protocol import success_reply
 from bridge.replies import ReplyBox
 from bridge.spool import Spool, read_json
-from worker.job import JobParameters, deliver
+from worker.job import deliver
 
 params_path = Path(sys.argv[-1])
 params = JobParameters.from_json(read_json(params_path))
@@ -234,50 +236,31 @@ params_path.unlink(missing_ok=True)
 """
 
 
-class Scene:
-    """One test's daemon, its stub workers' gate, Rodan's side, and what came back."""
+class Scene(Harness):
+    """One test's bridge on the private broker, its stub workers' gate, Rodan's side, and what came back."""
 
     def __init__(self, tmp: Path, node: PrivateBroker, standin: RodanStandin) -> None:
         tag = uuid.uuid4().hex[:10]
         self.queues = Queues(f"fault-{tag}-hpc-jobs", f"fault-{tag}-hpc-results", f"fault-{tag}-dead")
-        self.rodan = Rodan(node.url, self.queues)
         self.node = node
-        self.spool = tmp / "spool"
-        self.log = tmp / "bridge.log"
         self.gate = tmp / "gate"
         stub = tmp / "stub_worker.py"
         stub.write_text(textwrap.dedent(STUB.format(gate=str(self.gate))))
         wrapper = tmp / "stub-python"
         wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} {stub} "$@"\n')  # called as: -m worker run PARAMS
         wrapper.chmod(0o755)
-        self.env = bridge_environ(
+        env = bridge_environ(
             node.url,
             standin,
             self.queues,
-            self.spool,
-            HPC_LOG_FILE=str(self.log),
+            tmp / "spool",
+            HPC_LOG_FILE=str(tmp / "bridge.log"),
             HPC_WORKER_PYTHON=str(wrapper),
             HPC_GPU_RULES="none",
             HPC_METRICS_FILE=str(tmp / "metrics.prom"),
         )
-        self.daemon: Daemon | None = None
-        self.replies: Counter[str] = Counter()
-        self.bodies: dict[str, bytes] = {}
+        super().__init__(env, tmp / "spool", Rodan(node.url, self.queues), Cluster("slurm"))
         self.consumed: list[str] = []
-
-    def start_daemon(self) -> Daemon:
-        self.daemon = Daemon(self.env, self.log, self.spool)
-        return self.daemon
-
-    def collect(self) -> Counter[str]:
-        for corr, body, _headers in self.rodan.drain():
-            self.replies[corr or ""] += 1
-            self.bodies[corr or ""] = body
-        return self.replies
-
-    def all_replied(self, corrs: list[str]) -> bool:
-        self.collect()
-        return all(self.replies[c] for c in corrs)
 
     def outbox(self) -> list[str]:
         return sorted(p.stem for p in (self.spool / "outbox").glob("*.json"))
@@ -292,9 +275,7 @@ class Scene:
         return self.daemon.events(name)
 
     def teardown(self) -> None:
-        if self.daemon is not None:
-            self.daemon.stop()
-        cancel_spool_jobs(self.spool)
+        super().teardown()
         if self.node.answers():
             connection = pika.BlockingConnection(pika.URLParameters(self.node.url))
             channel = connection.channel()
@@ -312,10 +293,10 @@ def scene(tmp_path: Path, node: PrivateBroker, standin: RodanStandin, slurm: Non
 
 def assert_one_stub_reply_each(scene: Scene, corrs: list[str]) -> None:
     scene.collect()
-    assert {c: scene.replies[c] for c in corrs} == {c: 1 for c in corrs}, "exactly one reply per request"
+    assert {c: len(scene.replies.get(c, [])) for c in corrs} == {c: 1 for c in corrs}, "exactly one reply per request"
     assert set(scene.replies) == set(corrs), "no reply for a request nobody sent"
     for corr in corrs:
-        reply = json.loads(scene.bodies[corr])
+        reply = scene.reply(corr)
         assert "error" not in reply, reply
         assert base64.decodebytes(reply["Background Model"].encode()) == f"stub Background Model {corr}".encode()
 
@@ -339,6 +320,7 @@ class RodanConsumer:
     def __init__(self, url: str, queue: str) -> None:
         self.url, self.queue = url, queue
         self.received: list[tuple[str, bytes]] = []
+        self.marks: set[str] = set()  # correlation ids of catch_up's own messages, never counted
         self.connections = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -377,12 +359,22 @@ class RodanConsumer:
     def _on_message(self, _channel: Any, _method: Any, props: pika.BasicProperties, body: bytes) -> None:
         self.received.append((props.correlation_id or "", body))
 
+    def catch_up(self, timeout: float = 60) -> None:
+        """Return once every message queued before this call has reached the consumer: a mark
+        published now queues behind them, and the queue's one consumer gets it in order."""
+        mark = f"catch-up-{uuid.uuid4()}"
+        self.marks.add(mark)
+        with confirm_channel(self.url) as channel:
+            channel.basic_publish("", self.queue, b"", pika.BasicProperties(correlation_id=mark))
+        wait_until(lambda: any(corr == mark for corr, _body in list(self.received)), timeout, 0.1, "the mark")
+
     def got(self, scene: Scene, corrs: list[str]) -> bool:
         for corr, body in self.received[len(scene.consumed) :]:
             scene.consumed.append(corr)
-            scene.replies[corr] += 1
-            scene.bodies[corr] = body
-        return all(scene.replies[c] for c in corrs)
+            if corr in self.marks:
+                continue
+            scene.replies[corr].append(body)
+        return all(scene.replies.get(c) for c in corrs)
 
 
 def test_stop_app_while_consuming_and_while_workers_publish(scene: Scene, node: PrivateBroker, sample_inputs) -> None:
@@ -428,10 +420,16 @@ def test_stop_app_while_consuming_and_while_workers_publish(scene: Scene, node: 
                 "the daemon to reconnect",
             )
         wait_until(lambda: consumer.got(scene, second), 300, 0.5, "every reply of the second batch")
-        wait_until(lambda: scene.jobs_over(second) and not scene.outbox(), 180, 0.5, "the jobs to end, outbox empty")
-        time.sleep(3)  # one more reconciliation interval: a duplicate would show up now
+        everything = first + second
+        wait_until(
+            lambda: scene.jobs_over(second) and settled(scene.spool, everything),
+            180,
+            0.5,
+            "the jobs to end and the bridge to settle every request",
+        )
+        consumer.catch_up()  # nothing publishes any more: every reply there is has reached Rodan
         consumer.got(scene, [])
-        assert_one_stub_reply_each(scene, first + second)
+        assert_one_stub_reply_each(scene, everything)
         rodan_connections = consumer.connections
     assert daemon.proc.poll() is None
     lost, connected = daemon.events("broker_lost"), daemon.events("broker_connected")
@@ -482,10 +480,15 @@ def test_full_node_restart_redeclares_and_keeps_replies_until_the_reply_queue_ex
     # A request published after the restart is consumed from the re-declared queue and answered.
     after = scene.rodan.publish_request(page, STUB_SETTINGS)
     wait_until(lambda: scene.all_replied([after]), 180, 1, "the request published after the restart")
-    wait_until(lambda: scene.jobs_over([after]) and not scene.outbox(), 120, 0.5, "the last job to end")
-    time.sleep(3)
-    assert "not valid JSON" in json.loads(scene.bodies.pop(malformed))["error"]
-    assert scene.replies.pop(malformed) == 1
+    wait_until(
+        lambda: scene.jobs_over([after]) and settled(scene.spool, [malformed, *corrs, after]),
+        120,
+        0.5,
+        "the last job to end and the bridge to settle every request",
+    )
+    scene.collect()  # nothing publishes any more: every reply there is
+    assert "not valid JSON" in scene.error(malformed)
+    del scene.replies[malformed]
     assert_one_stub_reply_each(scene, [*corrs, after])
     assert len(jobs_named(f"rodan-{after}")) == 1
     assert daemon.proc.poll() is None
@@ -562,6 +565,7 @@ def test_worker_leaves_the_reply_staged_when_the_broker_goes_between_connect_and
 ) -> None:
     """Regression: pika's own errors from ``channel()`` escaped ``deliver`` and crashed the worker."""
     import worker.job as job
+    from bridge.handoff import JobParameters
     from bridge.replies import ReplyBox
     from bridge.spool import Spool
 
@@ -576,17 +580,14 @@ def test_worker_leaves_the_reply_staged_when_the_broker_goes_between_connect_and
 
     monkeypatch.setattr(job, "connect", lambda *a, **kw: Broken())
     box = ReplyBox(Spool(tmp_path / "spool").ensure())
-    params = job.JobParameters.from_json(
-        {
-            "correlation_id": "corr-eof",
-            "reply_to": "hpc-results",
-            "inputs": {},
-            "layers": [],
-            "settings": {},
-            "rodan": {"base_url": "http://127.0.0.1:9"},
-            "broker": {"url": "amqp://guest:guest@127.0.0.1:9/%2F"},
-            "spool": str(tmp_path / "spool"),
-        }
+    params = JobParameters.from_json(
+        job_parameters_json(
+            correlation_id="corr-eof",
+            reply_to="hpc-results",
+            rodan={"base_url": "http://127.0.0.1:9"},
+            broker={"url": "amqp://guest:guest@127.0.0.1:9/%2F"},
+            spool=str(tmp_path / "spool"),
+        )
     )
     job.deliver(box, params, b'{"error": "x"}')
     assert [e.correlation_id for e in box.staged()] == ["corr-eof"] and not box.already_replied("corr-eof")

@@ -1,4 +1,4 @@
-"""Fault suite, crash anywhere (issue #6 item 1): SIGKILL the bridge at every durable step.
+"""Fault suite, crash anywhere (item 1 of docs/reliability.md): SIGKILL the bridge at every durable step.
 
 Many requests go through the real broker and the real scheduler while ``hpc-bridge check``
 passes (and, for part of the run, the ``hpc-bridge run`` daemon) are SIGKILLed at the named
@@ -44,15 +44,10 @@ import pytest
 
 from bridge.faults import POINTS
 from tests import stub_worker
-from tests.conftest import (
-    REPO,
-    Cluster,
-    Queues,
-    bridge_environ,
-    cancel_ledger_jobs,
-    run_bridge,
-    wait_until,
-)
+from tests.support.bridge import REPO, bridge_environ, run_bridge, settled
+from tests.support.broker import Queues
+from tests.support.cluster import Cluster, cancel_ledger_jobs
+from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.broker]
 
@@ -60,10 +55,6 @@ REQUEST_POINTS = [p for p in POINTS if not p.endswith(("_publish", "_marker"))]
 PUBLISH_POINTS = [p for p in POINTS if p not in REQUEST_POINTS]
 
 SETTINGS = {"Maximum time (D-HH:MM)": "0-00:05", "Maximum memory (MB)": 1024, "CPUs": 1}
-SCHEDULER_COMMANDS = {
-    "slurm": ("sbatch", "squeue", "sacct", "scancel", "scontrol"),
-    "gridengine": ("qsub", "qstat", "qacct", "qdel"),
-}
 
 
 def requested(cluster: Cluster) -> int:
@@ -243,12 +234,12 @@ def no_live_jobs(cluster: Cluster, names: list[str]) -> bool:
     if cluster.name == "slurm":
         live = subprocess.run(["squeue", "-h", "-o", "%j"], capture_output=True, text=True, timeout=60).stdout.split()
         return not set(live) & set(names)
-    from tests.conftest import _sge_live
+    from tests.support.cluster import sge_live
 
     live_names: set[str] = set()
     if names:
         for name in names:
-            if _sge_live(name):
+            if sge_live(name):
                 live_names.add(name)
     return not live_names
 
@@ -277,7 +268,7 @@ def test_crash_anywhere_loses_nothing_and_does_nothing_twice(
     rng = random.Random(seed)
     spool = tmp_path / "spool"
     bindir = tmp_path / "bin"
-    record_argv(bindir, SCHEDULER_COMMANDS[cluster.name], tmp_path / "argv.log")
+    record_argv(bindir, cluster.commands, tmp_path / "argv.log")
     env = bridge_environ(
         broker_url,
         standin,
@@ -345,11 +336,13 @@ def test_crash_anywhere_loses_nothing_and_does_nothing_twice(
             step += 1
             if not killed:
                 time.sleep(1)  # nothing to kill at: let the jobs run
-        # Every request answered: the jobs end, then one clean pass and a last look at the queues.
+        # Every request answered: the jobs end, then clean passes until the bridge has settled every
+        # request (ledger final, outbox empty: nothing can publish after that), and a last look at the queues.
         names = [f"rodan-{c}" for c in corrs if c not in malformed]
         wait_until(lambda: no_live_jobs(cluster, names), 120, 1, "the jobs to end")
-        assert run.check(None, seed) == 0
-        time.sleep(2)
+        wait_until(
+            lambda: run.check(None, seed) == 0 and settled(spool, corrs), 120, 1, "clean passes to settle every request"
+        )
         run.collect()
 
         def accounted() -> dict[str, list[str]] | None:

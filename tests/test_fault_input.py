@@ -1,10 +1,10 @@
-"""Hostile input (issue #6, fault suite item 5): nothing Rodan's side of the queue sends can crash
+"""Hostile input (fault suite item 5: docs/reliability.md): nothing Rodan's side of the queue sends can crash
 the bridge, add a scheduler option to a batch script, or take the Rodan token to another host.
 
 * A property-based fuzz (hypothesis) of request bodies and AMQP properties through
   :func:`bridge.protocol.parse_request` and, for the requests it accepts, through the real
   batch-script rendering of both schedulers (``Intake.job_spec`` -> ``Scheduler.render``).
-  It runs ``HPC_FUZZ_EXAMPLES`` generated requests (default 10 000, ~25 s on 2 cores)::
+  It runs ``HPC_FUZZ_EXAMPLES`` generated requests (default 10 000, over a minute on 2 cores: marked ``slow``)::
 
       HPC_FUZZ_EXAMPLES=100000 .venv/bin/python -m pytest -q tests/test_fault_input.py -k fuzz -s
 
@@ -50,9 +50,10 @@ from bridge.replies import ReplyBox
 from bridge.rodan import RodanClient
 from bridge.schedulers import GridEngineScheduler, Scheduler, SlurmScheduler
 from bridge.spool import Spool, safe_key
-from bridge.standin.server import RodanStandin, User, token_for_email
-from tests.conftest import FAST_SETTINGS, RODAN_EMAIL, RODAN_PASSWORD, Queues, Rodan, bridge_environ, run_bridge
+from bridge.testing.rodan import RodanStandin, User, token_for_email
 from tests.fuzz_messages import NASTY_CHARS, NASTY_NAMES, nasty_urls
+from tests.support.bridge import FAST_SETTINGS, RODAN_EMAIL, RODAN_PASSWORD, bridge_environ, run_bridge
+from tests.support.broker import Queues, Rodan
 
 FUZZ_EXAMPLES = int(os.environ.get("HPC_FUZZ_EXAMPLES", "10000"))
 
@@ -298,6 +299,7 @@ def check_script(renderer: Renderer, request: JobRequest, script: str) -> None:
     assert sum(line.lstrip().startswith(("#SBATCH", "#$")) for line in script.splitlines()) == len(directives)
 
 
+@pytest.mark.slow  # HPC_FUZZ_EXAMPLES generated requests (10 000: a minute or more on 2 cores)
 def test_fuzzed_requests_never_crash_nor_inject(tmp_path: Path) -> None:
     renderers = [Renderer(tmp_path / "spool", "slurm"), Renderer(tmp_path / "spool", "gridengine")]
     stats: Counter[str] = Counter()
@@ -517,7 +519,7 @@ def test_deep_nesting_and_enormous_bodies_are_refused() -> None:
 
 @pytest.mark.parametrize("name", NASTY_NAMES, ids=lambda name: ascii(name)[:40])
 def test_look_alike_input_names_are_refused_never_crash(name: str) -> None:
-    """Regression (issue #12): 'rgba PNG - Layer \u00b2' passed str.isdigit() and crashed int() with a
+    """Regression: 'rgba PNG - Layer \u00b2' passed str.isdigit() and crashed int() with a
     ValueError that no layer of the pass caught (so did a 5,000-digit layer number). Parsing raises
     nothing but InvalidRequest; none of these names is one of Rodan's."""
     inputs = dict(PAGE)
@@ -531,7 +533,7 @@ def test_look_alike_input_names_are_refused_never_crash(name: str) -> None:
 
 @pytest.mark.parametrize("url", nasty_urls("127.0.0.1:8000"), ids=lambda url: ascii(url)[:60])
 def test_malformed_urls_never_crash_the_parser(url: str) -> None:
-    """Regression (issue #12): 'http://[::1', 'http://[zz]/x' and hosts with characters that NFKC-normalise
+    """Regression: 'http://[::1', 'http://[zz]/x' and hosts with characters that NFKC-normalise
     to '/', '@' or ':' (U+FF0F, U+FF20, U+FF1A...) made urlsplit raise ValueError out of check_resource.
     Whatever the resource value, parsing accepts it or raises InvalidRequest, nothing else."""
     try:
@@ -557,11 +559,11 @@ def two_hosts(tmp_path: Path) -> Any:
 
 
 def test_urls_to_other_hosts_never_get_the_token(two_hosts: Any, tmp_path: Path) -> None:
-    """Inputs come only from Rodan (issue #12, item 4): a URL whose host is not Rodan's, by any
+    """Inputs come only from Rodan: a URL whose host is not Rodan's, by any
     parser's reading, is refused by ``parse_request`` given Rodan's origin, and by the real download
     client (as the worker uses it); a second loopback server records that it received nothing at all,
     so never the token. Regression: 'http://OTHER\\@RODAN/' passed urlsplit's origin check as Rodan,
-    and urllib3 connected to OTHER with the token; before issue #12 URLs to other hosts were fetched
+    and urllib3 connected to OTHER with the token; before that, URLs to other hosts were fetched
     (without the token)."""
     rodan, other = two_hosts
     client = RodanClient(rodan.url, user="hpc", email=RODAN_EMAIL, password=RODAN_PASSWORD, retries=0)

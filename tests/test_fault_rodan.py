@@ -1,4 +1,4 @@
-"""Rodan down or misbehaving, end to end through ``hpc-bridge run`` and real Slurm jobs (issue #6, item 3).
+"""Rodan down or misbehaving, end to end through ``hpc-bridge run`` and real Slurm jobs (fault suite item 3).
 
 What is covered elsewhere is not repeated here: the client's retries against the stand-in
 (tests/test_rodan_client.py), the download cap, other origins and the intake's input check
@@ -14,73 +14,38 @@ daemon: bounded retries, then exactly one error reply that names the cause.
 
 from __future__ import annotations
 
-import json
 import re
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from bridge.standin.server import RodanStandin
-from tests.conftest import Queues, Rodan, bridge_environ, cancel_spool_jobs, jobs_named, jobs_started, wait_until
-from tests.test_daemon import Daemon
+from bridge.testing.rodan import RodanStandin
+from tests.support.bridge import bridge_environ
+from tests.support.broker import Queues, Rodan
+from tests.support.cluster import Cluster, jobs_named, jobs_started
+from tests.support.daemon import DAEMON_SETTINGS
+from tests.support.harness import Harness
+from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.broker]
 
-SETTINGS = {
-    "Maximum number of training epochs": 1,
-    "Maximum number of samples per label": 100,
-    "Patch height": 64,
-    "Patch width": 64,
-    "Maximum time (D-HH:MM)": "0-00:15",
-    "Maximum memory (MB)": 2048,
-    "CPUs": 1,
-}
 # The bridge's HPC_RODAN_RETRIES / HPC_RODAN_TIMEOUT reach the worker through the parameter file.
 RETRIES, TIMEOUT_S = 3, 5
 DOWNLOAD_ATTEMPTS = RETRIES + 1
 
 
-class Bridge:
-    def __init__(self, env: dict[str, str], log: Path, spool: Path, rodan: Rodan) -> None:
-        self.env, self.log, self.spool, self.rodan = env, log, spool, rodan
-        self.daemon: Daemon | None = None
-        self.replies: Counter[str] = Counter()
-        self.bodies: dict[str, dict[str, Any]] = {}
-
-    def start(self, **extra: str) -> Daemon:
-        self.daemon = Daemon({**self.env, **extra}, self.log, self.spool)
-        return self.daemon
-
-    def all_replied(self, corrs: list[str]) -> bool:
-        for corr, body, _headers in self.rodan.drain():
-            self.replies[corr or ""] += 1
-            self.bodies[corr or ""] = json.loads(body)
-        return all(self.replies[c] for c in corrs)
-
-    def error(self, corr: str) -> str:
-        assert self.replies[corr] == 1, f"{self.replies[corr]} replies for {corr}"
-        return str(self.bodies[corr].get("error", ""))
-
-    def stop(self) -> None:
-        if self.daemon is not None:
-            self.daemon.stop()
-
-
 @pytest.fixture
 def bridge(
     broker_url: str, standin: RodanStandin, queues: Queues, rodan: Rodan, tmp_path: Path, slurm: None
-) -> Iterator[Bridge]:
+) -> Iterator[Harness]:
     spool = tmp_path / "spool"
     env = bridge_environ(
         broker_url, standin, queues, spool, HPC_LOG_FILE=str(tmp_path / "bridge.log"), HPC_GPU_RULES="none"
     )
-    b = Bridge(env, tmp_path / "bridge.log", spool, rodan)
-    yield b
-    b.stop()
-    cancel_spool_jobs(spool)
+    harness = Harness(env, spool, rodan, Cluster("slurm"))
+    yield harness
+    harness.teardown()
 
 
 def hits(standin: RodanStandin, path: str) -> int:
@@ -94,7 +59,7 @@ def downloads(standin: RodanStandin, path: str) -> int:
 
 @pytest.mark.training
 def test_download_faults_in_real_jobs_end_in_one_clear_reply_each(
-    bridge: Bridge, standin: RodanStandin, rodan: Rodan, sample_inputs
+    bridge: Harness, standin: RodanStandin, rodan: Rodan, sample_inputs
 ) -> None:
     host = standin.host_port
     pages = {
@@ -115,11 +80,11 @@ def test_download_faults_in_real_jobs_end_in_one_clear_reply_each(
     (standin.uploads_dir / "not-a-png").write_bytes(login_page)
     pages["not_png"]["rgba PNG - Layer 0"] = "/uploads/not-a-png"
 
-    daemon = bridge.start(HPC_RODAN_RETRIES=str(RETRIES), HPC_RODAN_TIMEOUT=str(TIMEOUT_S))
-    corr = {name: rodan.publish_request(page, SETTINGS) for name, page in pages.items()}
+    daemon = bridge.start_daemon(HPC_RODAN_RETRIES=str(RETRIES), HPC_RODAN_TIMEOUT=str(TIMEOUT_S))
+    corr = {name: rodan.publish_request(page, DAEMON_SETTINGS) for name, page in pages.items()}
     wait_until(lambda: bridge.all_replied(list(corr.values())), 540, 2, "one reply per request")
 
-    models = bridge.bodies[corr["burst"]]
+    models = bridge.reply(corr["burst"])
     assert set(models) == {"Background Model", "Model 0"}, "a 5xx burst shorter than the retries is harmless"
     assert downloads(standin, image["burst"]) == 3
 
@@ -148,7 +113,7 @@ def test_download_faults_in_real_jobs_end_in_one_clear_reply_each(
     assert downloads(standin, "/uploads/not-a-png") == 0 and hits(standin, "/uploads/not-a-png") == 1
 
     for name, c in corr.items():
-        text = bridge.error(c) or f"models: {sorted(bridge.bodies[c])}"
+        text = bridge.error(c) or f"models: {sorted(bridge.reply(c))}"
         print(f"\n{name}: {downloads(standin, image[name])} downloads of the Image; reply: {text}")
         jobs = 0 if name == "not_png" else 1
         assert len(jobs_started(f"rodan-{c}")) == jobs, f"{name}: {jobs} job(s), never resubmitted"
@@ -159,18 +124,18 @@ def test_download_faults_in_real_jobs_end_in_one_clear_reply_each(
 
 
 def test_token_endpoint_resets_and_timeouts_defer_then_one_bounded_error(
-    bridge: Bridge, standin: RodanStandin, rodan: Rodan, queues: Queues, sample_inputs
+    bridge: Harness, standin: RodanStandin, rodan: Rodan, queues: Queues, sample_inputs
 ) -> None:
     page = sample_inputs("new", n_layers=1, seed=50)
     token = "/api/auth/token/"
     # The second pass over a request comes at least 5 s after the first (the deferral's backoff).
-    daemon = bridge.start(HPC_RODAN_RETRIES="1", HPC_RODAN_TIMEOUT="2", HPC_DEFER_LIMIT="3")
+    daemon = bridge.start_daemon(HPC_RODAN_RETRIES="1", HPC_RODAN_TIMEOUT="2", HPC_DEFER_LIMIT="3")
     standin.reset_next(1000, paths=token)
-    reset = rodan.publish_request(page, SETTINGS)
+    reset = rodan.publish_request(page, DAEMON_SETTINGS)
     wait_until(lambda: bridge.all_replied([reset]), 120, 0.5, "the reply after connection resets")
     standin.clear_faults()
     standin.delay(6, paths=token)  # longer than HPC_RODAN_TIMEOUT
-    slow = rodan.publish_request(page, SETTINGS)
+    slow = rodan.publish_request(page, DAEMON_SETTINGS)
     wait_until(lambda: bridge.all_replied([slow]), 120, 0.5, "the reply after timeouts")
     standin.clear_faults()
 
@@ -189,9 +154,9 @@ def test_token_endpoint_resets_and_timeouts_defer_then_one_bounded_error(
     assert sorted(c for c, _b, _h in rodan.drain(queues.dead)) == sorted([reset, slow])
     assert rodan.depth(queues.request) == 0
     # Rodan is back: the next request goes through (the daemon did not give up on Rodan for good).
-    ok = rodan.publish_request(page, SETTINGS)
+    ok = rodan.publish_request(page, DAEMON_SETTINGS)
     wait_until(lambda: daemon.state(ok) in ("submitted", "replied"), 60, 0.2, "the next request to be submitted")
-    assert bridge.replies[reset] == 1 and bridge.replies[slow] == 1
+    assert len(bridge.replies[reset]) == 1 and len(bridge.replies[slow]) == 1
 
 
 def test_a_truncated_download_says_how_much_of_how_much_arrived(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Scheduler trouble (issue #6, fault suite item 4): controller and accounting outages.
+"""Scheduler trouble (fault suite item 4: docs/reliability.md): controller and accounting outages.
 
 Every test stops a shared daemon, so every test is ``exclusive`` (deploy/dev/test.sh runs these
 alone, after the parallel phase) and restores the daemons in its fixture's teardown
@@ -21,27 +21,18 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
-from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from PIL import Image as PILImage
 
-from bridge.standin.server import RodanStandin
-from tests.conftest import (
-    FAST_SETTINGS,
-    REPO,
-    Cluster,
-    Queues,
-    Rodan,
-    bridge_environ,
-    cancel_ledger_jobs,
-    run_bridge,
-    wait_until,
-)
+from bridge.testing.rodan import RodanStandin
+from tests.support.bridge import FAST_SETTINGS, REPO, bridge_environ
+from tests.support.broker import Queues, Rodan
+from tests.support.cluster import Cluster
+from tests.support.harness import Harness
+from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.exclusive, pytest.mark.broker]
 
@@ -52,6 +43,11 @@ PAGE = {
     "rgba PNG - Layer 0": "/uploads/projects/p/resources/l0/original_file",
 }
 DEV = {"slurm": REPO / "deploy/dev/slurm.sh", "gridengine": REPO / "deploy/dev/gridengine.sh"}
+#: The controller each parameter stops, on the cluster it belongs to.
+CONTROLLERS = [
+    pytest.param("slurmctld", marks=pytest.mark.slurm),
+    pytest.param("sge_qmaster", marks=pytest.mark.gridengine),
+]
 #: The bridge's own reply for a job that ended without sending its models.
 NO_MODELS = ("ended without a result: COMPLETED", "the job finished without sending its models")
 
@@ -75,56 +71,6 @@ def restore(cluster: str) -> None:
     assert result.returncode == 0, f"{cluster} up failed:\n{result.stdout[-1500:]}\n{result.stderr[-1500:]}"
 
 
-class Bridge:
-    """One test's bridge: its environment, its spool, and the replies Rodan received."""
-
-    def __init__(self, env: dict[str, str], spool: Path, rodan: Rodan, cluster: Cluster) -> None:
-        self.env, self.spool, self.rodan, self.cluster = env, spool, rodan, cluster
-        self.replies: dict[str, list[dict[str, Any]]] = defaultdict(list)
-
-    def check(self, **extra: str) -> None:
-        result = run_bridge({**self.env, **extra}, "check", timeout=300)
-        assert result.returncode == 0, result.stderr[-2000:]
-        for corr, body, _headers in self.rodan.drain():
-            self.replies[corr or ""].append(json.loads(body))
-
-    def drive(self, corrs: list[str], timeout: float, **extra: str) -> None:
-        """Cron passes until every request has a reply (bounded)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self.check(**extra)
-            if all(self.replies.get(c) for c in corrs):
-                return
-            time.sleep(1)
-        missing = [c for c in corrs if not self.replies.get(c)]
-        raise AssertionError(f"no reply within {timeout} s for {missing}:\n{self.log_tail()}")
-
-    def ledger(self, corr: str) -> dict[str, Any]:
-        record: dict[str, Any] = json.loads((self.spool / "ledger" / f"{corr}.json").read_text())
-        return record
-
-    def log_tail(self) -> str:
-        path = Path(self.env["HPC_LOG_FILE"])
-        return "\n".join(path.read_text().splitlines()[-30:]) if path.exists() else "(no log)"
-
-    def log_events(self, event: str) -> list[dict[str, Any]]:
-        path = Path(self.env["HPC_LOG_FILE"])
-        lines = path.read_text().splitlines() if path.exists() else []
-        return [e for e in (json.loads(x) for x in lines if x.startswith("{")) if e.get("event") == event]
-
-    def assert_one_reply_each(self, corrs: list[str], fragments: tuple[str, ...]) -> None:
-        """Exactly one reply per request, with the job's real outcome, and one job each."""
-        self.check()  # one more pass: nothing else may come
-        for corr in corrs:
-            assert len(self.replies[corr]) == 1, f"{len(self.replies[corr])} replies for {corr}"
-            error = self.replies[corr][0].get("error", "")
-            assert all(f in error for f in fragments), error
-            record = self.ledger(corr)
-            assert record["state"] == "replied", record
-            assert self.cluster.jobs_named(record["job_name"]) == [record["job_id"]], "one job per request"
-        assert self.rodan.depth(self.rodan.queues.request) == 0
-
-
 def slow_worker(tmp_path: Path, seconds: int) -> str:
     """A worker that runs ``seconds`` s, notes that it ended, and replies nothing."""
     done = tmp_path / "worker-ended"
@@ -141,7 +87,7 @@ def ended(tmp_path: Path, corr: str) -> bool:
 
 def make_bridge(
     cluster: str, broker_url: str, standin: RodanStandin, queues: Queues, rodan: Rodan, tmp_path: Path
-) -> Iterator[Bridge]:
+) -> Iterator[Harness]:
     spool = tmp_path / "spool"
     env = bridge_environ(
         broker_url,
@@ -158,25 +104,25 @@ def make_bridge(
         file = standin.uploads_dir / resource.removeprefix("/uploads/")
         file.parent.mkdir(parents=True, exist_ok=True)
         PILImage.new("RGBA", (8, 8)).save(file, format="PNG")
-    bridge = Bridge(env, spool, rodan, Cluster(cluster))
+    bridge = Harness(env, spool, rodan, Cluster(cluster))
     try:
         yield bridge
     finally:
         restore(cluster)  # first: the jobs can only be cancelled with the controller up
-        cancel_ledger_jobs(spool, bridge.cluster)
+        bridge.teardown()
 
 
 @pytest.fixture
 def slurm_bridge(
     slurm: None, broker_url: str, standin: RodanStandin, queues: Queues, rodan: Rodan, tmp_path: Path
-) -> Iterator[Bridge]:
+) -> Iterator[Harness]:
     yield from make_bridge("slurm", broker_url, standin, queues, rodan, tmp_path)
 
 
 @pytest.fixture
 def sge_bridge(
     gridengine: None, broker_url: str, standin: RodanStandin, queues: Queues, rodan: Rodan, tmp_path: Path
-) -> Iterator[Bridge]:
+) -> Iterator[Harness]:
     yield from make_bridge("gridengine", broker_url, standin, queues, rodan, tmp_path)
 
 
@@ -187,11 +133,11 @@ def publish(rodan: Rodan, n: int) -> list[str]:
 # --- controller down at submit time ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("daemon", ["slurmctld", "sge_qmaster"])
+@pytest.mark.parametrize("daemon", CONTROLLERS)
 def test_controller_down_at_submit_defers_then_submits_once_and_answers_once(
     daemon: str, request: pytest.FixtureRequest, rodan: Rodan
 ) -> None:
-    bridge: Bridge = request.getfixturevalue("slurm_bridge" if daemon == "slurmctld" else "sge_bridge")
+    bridge: Harness = request.getfixturevalue("slurm_bridge" if daemon == "slurmctld" else "sge_bridge")
     corrs = publish(rodan, 2)
     stop(daemon)
     bridge.check()
@@ -212,11 +158,11 @@ def test_controller_down_at_submit_defers_then_submits_once_and_answers_once(
 
 # Regression: the lookup of a job left by an earlier pass (find_by_name) ran outside the intake's
 # try, so SchedulerUnavailable crashed every `check` pass until the controller was back.
-@pytest.mark.parametrize("daemon", ["slurmctld", "sge_qmaster"])
+@pytest.mark.parametrize("daemon", CONTROLLERS)
 def test_a_second_pass_during_the_outage_defers_again(
     daemon: str, request: pytest.FixtureRequest, rodan: Rodan
 ) -> None:
-    bridge: Bridge = request.getfixturevalue("slurm_bridge" if daemon == "slurmctld" else "sge_bridge")
+    bridge: Harness = request.getfixturevalue("slurm_bridge" if daemon == "slurmctld" else "sge_bridge")
     (corr,) = publish(rodan, 1)
     stop(daemon)
     bridge.check()
@@ -229,11 +175,11 @@ def test_a_second_pass_during_the_outage_defers_again(
 # --- controller down during reconciliation ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("daemon", ["slurmctld", "sge_qmaster"])
+@pytest.mark.parametrize("daemon", CONTROLLERS)
 def test_controller_down_during_reconciliation_judges_nothing_then_the_real_outcome(
     daemon: str, request: pytest.FixtureRequest, rodan: Rodan, tmp_path: Path
 ) -> None:
-    bridge: Bridge = request.getfixturevalue("slurm_bridge" if daemon == "slurmctld" else "sge_bridge")
+    bridge: Harness = request.getfixturevalue("slurm_bridge" if daemon == "slurmctld" else "sge_bridge")
     worker = slow_worker(tmp_path, 6)
     (corr,) = publish(rodan, 1)
     bridge.check(HPC_WORKER_PYTHON=worker)
@@ -256,7 +202,7 @@ def test_controller_down_during_reconciliation_judges_nothing_then_the_real_outc
 # --- accounting down or lagging -------------------------------------------------------------------------
 
 
-def test_accounting_down_a_finished_job_still_gets_its_outcome(slurm_bridge: Bridge, rodan: Rodan) -> None:
+def test_accounting_down_a_finished_job_still_gets_its_outcome(slurm_bridge: Harness, rodan: Rodan) -> None:
     """slurmdbd down: submission works (slurmctld queues the records), and a job that just ended is
     judged from the live queue (MinJobAge) with its real state; accounting catches up afterwards."""
     stop("slurmdbd")
@@ -266,7 +212,7 @@ def test_accounting_down_a_finished_job_still_gets_its_outcome(slurm_bridge: Bri
     slurm_bridge.assert_one_reply_each(corrs, NO_MODELS)
 
 
-def _forget_job(bridge: Bridge, corr: str) -> str:
+def _forget_job(bridge: Harness, corr: str) -> str:
     """Point the request's record at a job id no scheduler component knows: a finished job that is
     neither in the queue any more nor (yet) in accounting."""
     path = bridge.spool / "ledger" / f"{corr}.json"
@@ -279,7 +225,7 @@ def _forget_job(bridge: Bridge, corr: str) -> str:
 
 
 def test_a_job_missing_from_accounting_is_never_judged_before_the_timeout(
-    slurm_bridge: Bridge, rodan: Rodan, tmp_path: Path
+    slurm_bridge: Harness, rodan: Rodan, tmp_path: Path
 ) -> None:
     """A finished job that neither the queue nor accounting knows: nothing is judged while accounting
     is unreachable (regression: with another job still in the queue, a failed sacct was ignored and
@@ -307,7 +253,7 @@ def test_a_job_missing_from_accounting_is_never_judged_before_the_timeout(
     # Only after HPC_MISSING_TIMEOUT: one error reply that says what happened; the live job its own.
     slurm_bridge.drive([ghost_corr, live_corr], timeout=120, HPC_MISSING_TIMEOUT="1")
     slurm_bridge.check(HPC_MISSING_TIMEOUT="1")
-    (reply,) = slurm_bridge.replies[ghost_corr]
+    reply = slurm_bridge.reply(ghost_corr)
     assert f"Slurm job {ghost} vanished" in reply["error"] and "resubmit" in reply["error"]
     assert slurm_bridge.ledger(ghost_corr)["state"] == "replied"
     slurm_bridge.assert_one_reply_each([live_corr], NO_MODELS)

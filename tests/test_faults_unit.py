@@ -18,7 +18,8 @@ import pytest
 
 from bridge import faults
 from bridge.faults import FaultPlan, fault_point
-from tests.conftest import REPO, Queues
+from tests.support.bridge import REPO
+from tests.support.broker import Queues
 
 
 def test_inert_without_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -48,6 +49,42 @@ def test_random_is_reproducible_with_a_seed() -> None:
 def test_bad_specs_are_refused(spec: str) -> None:
     with pytest.raises(ValueError):
         FaultPlan.parse(spec)
+
+
+def test_a_misspelt_point_fails_at_its_call_even_when_inert(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(faults.ENV_KILL, raising=False)
+    with pytest.raises(ValueError, match="'after_sumbit' is not a fault point"):
+        fault_point("after_sumbit")
+    monkeypatch.setenv(faults.ENV_KILL, "before_ack:1000")
+    with pytest.raises(ValueError, match="'befor_ack' is not a fault point"):
+        fault_point("befor_ack")
+
+
+@pytest.mark.parametrize("spec", ["after_sumbit", "after_get:2,befor_ack", "Random:0.5", "after get"])
+def test_an_unknown_point_in_the_environment_is_an_error(spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="is not a fault point"):
+        FaultPlan.parse(spec)
+    monkeypatch.setenv(faults.ENV_KILL, spec)
+    with pytest.raises(ValueError, match="is not a fault point"):
+        fault_point("after_get")  # a declared point: the environment is what is wrong
+
+
+def test_every_call_site_names_a_declared_point_and_every_point_has_one() -> None:
+    import ast
+
+    named: dict[str, list[str]] = {}
+    for package in ("bridge", "worker"):
+        for path in sorted((REPO / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                func = getattr(node, "func", None)
+                if not isinstance(node, ast.Call) or getattr(func, "id", getattr(func, "attr", "")) != "fault_point":
+                    continue
+                where = f"{path.relative_to(REPO)}:{node.lineno}"
+                (arg,) = node.args
+                assert isinstance(arg, ast.Constant) and isinstance(arg.value, str), f"{where}: not a literal"
+                named.setdefault(arg.value, []).append(where)
+    assert set(named) <= set(faults.POINTS), {n: w for n, w in named.items() if n not in faults.POINTS}
+    assert sorted(named) == sorted(faults.POINTS), "a declared point that nothing calls"
 
 
 def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -125,7 +162,7 @@ def test_a_publish_killed_after_the_confirm_goes_out_again_only_with_an_expiry(
 
 def test_a_request_given_up_on_at_submit_leaves_no_token_on_disk(make_config, sample_inputs) -> None:
     """Regression: a request rejected after HPC_DEFER_LIMIT of transient submit failures kept its
-    parameter file, Rodan token inside, in the spool for ever (only a reply's settle removed it)."""
+    parameter file, Rodan token inside, in the spool for ever (only marking a reply removed it)."""
     import json
 
     from bridge.errors import SchedulerUnavailable
@@ -135,8 +172,8 @@ def test_a_request_given_up_on_at_submit_leaves_no_token_on_disk(make_config, sa
     from bridge.rodan import RodanClient
     from bridge.schedulers import get_scheduler
     from bridge.spool import Spool
-    from bridge.standin.server import token_for_email
-    from tests.conftest import FAST_SETTINGS, RODAN_EMAIL
+    from bridge.testing.rodan import token_for_email
+    from tests.support.bridge import FAST_SETTINGS, RODAN_EMAIL
 
     config = make_config(HPC_DEFER_LIMIT="0.5")
     spool = Spool(config.spool_dir).ensure()

@@ -1,4 +1,4 @@
-"""Hostile messages through the REAL pass (issue #12, item 2): no message can stop the bridge.
+"""Hostile messages through the REAL pass: no message can stop the bridge.
 
 Generated messages (tests/fuzz_messages.py: any bytes or JSON as body, valid requests of both Rodan
 generations with one field mutated, ~1 MiB bodies, JSON nested 100,000 deep, and every AMQP
@@ -48,9 +48,8 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from bridge.config import load_config
 from bridge.logs import configure_logging
 from bridge.runner import Bridge
-from bridge.standin.samples import make_sample_page
-from bridge.standin.server import RodanStandin
-from tests.conftest import REPO, Queues, bridge_environ, wait_until
+from bridge.testing.rodan import RodanStandin
+from bridge.testing.samples import make_sample_page
 from tests.fuzz_messages import (
     Context,
     Corr,
@@ -68,6 +67,9 @@ from tests.fuzz_messages import (
     publish_batch,
     write_odd_files,
 )
+from tests.support.bridge import REPO, bridge_environ
+from tests.support.broker import Queues
+from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.broker]
 

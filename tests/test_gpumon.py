@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 from structlog.testing import capture_logs
 
 from worker.gpumon import CSV_COLUMNS, SMI_FIELDS, GpuMonitor, parse_smi_line
@@ -36,9 +37,16 @@ def rows(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(handle))
 
 
+def without_command_trace(logger: Any, method: str, event: Any) -> Any:
+    """Drop bridge.shell's debug line for each nvidia-smi run: it is no event of the monitor's."""
+    if event.get("event") == "command_ran":
+        raise structlog.DropEvent
+    return event
+
+
 @pytest.fixture
 def logs() -> Iterator[list[dict[str, Any]]]:
-    with capture_logs() as captured:
+    with capture_logs(processors=[without_command_trace]) as captured:
         yield captured
 
 
@@ -243,18 +251,23 @@ def test_stop_interrupts_a_hanging_nvidia_smi(tmp_path: Path, no_smi: None, monk
     monkeypatch.setitem(sys.modules, "pynvml", None)
     put_first_on_path(monkeypatch, tmp_path / "bin")
     marker = tmp_path / "called"
+    hanging = tmp_path / "hanging"  # written by the hanging call: its pid, once it is inside the hang
     fake_smi(  # the first call answers, the next hang
         tmp_path / "bin",
-        f'if [ -e "{marker}" ]; then exec sleep 30; fi\ntouch "{marker}"\n'
+        f'if [ -e "{marker}" ]; then echo $$ > "{hanging}.tmp" && mv "{hanging}.tmp" "{hanging}"; exec sleep 30; fi\n'
+        f'touch "{marker}"\n'
         'echo "0, GPU-aaaa, A, 40, 1000, 8000, 1, 50"\n',
     )
-    with capture_logs() as logs:
+    with capture_logs(processors=[without_command_trace]) as logs:
         monitor = GpuMonitor(tmp_path / "gpu.csv", interval_s=0.05).start()
-        time.sleep(0.5)  # the thread is now waiting on the hanging nvidia-smi
+        wait_for(hanging.exists)  # the thread now waits on the hanging nvidia-smi
+        pid = int(hanging.read_text())
         started = time.monotonic()
         monitor.stop()
         assert time.monotonic() - started < 1.0
     assert not monitor.running
+    with pytest.raises(ProcessLookupError):  # the hanging nvidia-smi was killed (and reaped)
+        os.kill(pid, 0)
     assert [e["event"] for e in logs] == ["gpu_monitor_started", "gpu_summary"]  # an interrupt is no failure
 
 

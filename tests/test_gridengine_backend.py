@@ -19,7 +19,8 @@ from bridge.errors import SchedulerRejected, SchedulerUnavailable
 from bridge.schedulers import BACKENDS, GridEngineScheduler, JobInfo, JobSpec, JobState, get_scheduler
 from bridge.schedulers.gridengine import STATE_TABLE, accounting_info, parse_job_details, parse_qacct, translate
 from bridge.shell import run_command
-from tests.conftest import fake_command, require_other_user
+from tests.support.bridge import fake_command
+from tests.support.cluster import require_other_user
 
 GOLDEN = Path(__file__).parent / "golden" / "gridengine_job.sh"
 GOLDEN_SITE = Path(__file__).parent / "golden" / "gridengine_job_site.sh"
@@ -458,6 +459,7 @@ def test_qmaster_down_for_queries_ping_and_cancel(tmp_path: Path, monkeypatch: p
             call()
 
 
+@pytest.mark.gridengine  # the real qstat says whether the job is live
 def test_cancel_of_a_job_that_is_gone_is_fine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fake_command(tmp_path, monkeypatch, "qdel", "echo 'denied: job \"99999\" does not exist' >&2\nexit 1\n")
     GridEngineScheduler().cancel("99999")

@@ -15,8 +15,10 @@ import pytest
 
 from bridge.config import load_config
 from bridge.ops.heartbeat import MESSAGE_TYPE, STATUS_QUEUE_LENGTH, status_line
-from tests.conftest import RODAN_EMAIL, bridge_environ, cancel_spool_jobs, run_bridge, wait_until
-from tests.test_daemon import SETTINGS, Daemon
+from tests.support.bridge import RODAN_EMAIL, bridge_environ, run_bridge
+from tests.support.cluster import cancel_spool_jobs
+from tests.support.daemon import DAEMON_SETTINGS, Daemon
+from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.broker, pytest.mark.slurm]
 
@@ -111,7 +113,7 @@ def test_the_daemon_publishes_a_bounded_status_an_admin_can_read(env, status_que
     spool = load_config(environ=env).spool_dir
     daemon = Daemon(env, spool.parent / "bridge.log", spool)
     try:
-        corr = rodan.publish_request(sample_inputs("new", n_layers=1), SETTINGS)
+        corr = rodan.publish_request(sample_inputs("new", n_layers=1), DAEMON_SETTINGS)
         wait_until(lambda: daemon.state(corr) == "submitted", 30, 0.1, "the request to be submitted")
 
         def fresh() -> list[dict[str, Any]]:
@@ -147,7 +149,7 @@ def test_the_daemon_publishes_a_bounded_status_an_admin_can_read(env, status_que
 
 
 def test_check_publishes_one_status_at_the_end_of_its_pass(env, status_queue, rodan, sample_inputs):
-    corr = rodan.publish_request(sample_inputs("new", n_layers=1), SETTINGS)
+    corr = rodan.publish_request(sample_inputs("new", n_layers=1), DAEMON_SETTINGS)
     rodan.publish(b"not json")  # rejected: dead-lettered
     assert run_bridge(env, "check").returncode == 0
     messages = status_queue.peek()
@@ -173,7 +175,7 @@ def test_a_status_queue_declared_otherwise_costs_only_the_status(env, status_que
     connection = pika.BlockingConnection(pika.URLParameters(broker_url))
     connection.channel().queue_declare(status_queue.name, durable=False)
     connection.close()
-    corr = rodan.publish_request(sample_inputs("new", n_layers=1), SETTINGS)
+    corr = rodan.publish_request(sample_inputs("new", n_layers=1), DAEMON_SETTINGS)
     result = run_bridge(env, "check")
     assert result.returncode == 0
     assert load_config(environ=env).spool_dir.joinpath("ledger", f"{corr}.json").exists()

@@ -1,4 +1,4 @@
-"""Inputs come only from Rodan, are bounded, and are checked before a job waits (issue #12, item 4).
+"""Inputs come only from Rodan, are bounded, and are checked before a job waits.
 
 Against the Rodan stand-in on loopback (a second one plays another host): the download cap on raw
 bytes (a chunked body of unknown length, a declared length over the cap, a gzip bomb), the origin
@@ -21,9 +21,10 @@ import pytest
 from PIL import EpsImagePlugin, Image
 
 from bridge.errors import PermanentError, RodanAuthError, TransientError
-from bridge.rodan import DEFAULT_MAX_INPUT_BYTES, DEFAULT_MAX_INPUT_PIXELS, InputInfo, RodanClient
-from bridge.standin.server import PNG_SIGNATURE, RodanStandin, User
-from tests.conftest import job_parameters_json
+from bridge.handoff import DEFAULT_MAX_INPUT_BYTES, DEFAULT_MAX_INPUT_PIXELS
+from bridge.rodan import InputInfo, RodanClient
+from bridge.testing.rodan import PNG_SIGNATURE, RodanStandin, User
+from tests.support.bridge import job_parameters_json
 from worker.trainer import TrainingInputError, load_page
 
 EMAIL, PASSWORD = "hpc@example.org", "pw-bounded"
@@ -384,14 +385,16 @@ def test_the_pixel_limit_is_the_callers_not_pillows(tmp_path: Path, monkeypatch:
 # --- the worker: limits from the parameter file, and its error replies ------------------------------------
 
 
-def test_parameter_files_without_limits_get_the_defaults() -> None:
-    from worker.job import JobParameters
+def test_the_parameter_file_carries_the_limits() -> None:
+    from bridge.handoff import JobParameters
 
     raw = job_parameters_json()
-    old = JobParameters.from_json(raw)
-    assert (old.max_input_bytes, old.max_input_pixels) == (DEFAULT_MAX_INPUT_BYTES, DEFAULT_MAX_INPUT_PIXELS)
-    new = JobParameters.from_json({**raw, "limits": {"max_input_bytes": 5000, "max_input_pixels": 7000}})
+    default = JobParameters.from_json(raw).limits
+    assert (default.max_input_bytes, default.max_input_pixels) == (DEFAULT_MAX_INPUT_BYTES, DEFAULT_MAX_INPUT_PIXELS)
+    new = JobParameters.from_json({**raw, "limits": {"max_input_bytes": 5000, "max_input_pixels": 7000}}).limits
     assert (new.max_input_bytes, new.max_input_pixels) == (5000, 7000)
+    with pytest.raises(ValueError, match=r"missing field 'limits\.max_input_pixels'"):
+        JobParameters.from_json({**raw, "limits": {"max_input_bytes": 5000}})  # no default of the worker's own
 
 
 @pytest.mark.broker
@@ -445,17 +448,17 @@ def test_the_worker_replies_naming_the_limit(
     else:
         (standin.uploads_dir / "page.eps").write_bytes(FILES["page.eps"])
         inputs["rgba PNG - Layer 0"] = "/uploads/page.eps"
-    params = {
-        "correlation_id": f"corr-{case}",
-        "reply_to": queues.reply,
-        "inputs": inputs,
-        "layers": [["Background", "Background Model"], ["rgba PNG - Layer 0", "Model 0"]],
-        "settings": {"epochs": 1, "max_samples_per_label": 100, "patch_height": 32, "patch_width": 32},
-        "rodan": {"base_url": standin.url, "token": standin.user("hpc@example.org").token},
-        "broker": {"url": broker_url},
-        "spool": str(spool.root),
-        "limits": limits,
-    }
+    params = job_parameters_json(
+        correlation_id=f"corr-{case}",
+        reply_to=queues.reply,
+        inputs=inputs,
+        layers=[["Background", "Background Model"], ["rgba PNG - Layer 0", "Model 0"]],
+        settings={"epochs": 1, "max_samples_per_label": 100, "patch_height": 32, "patch_width": 32},
+        rodan={"base_url": standin.url, "token": standin.user("hpc@example.org").token},
+        broker={"url": broker_url},
+        spool=str(spool.root),
+        limits=limits,
+    )
     atomic_write_json(spool.params_path(f"corr-{case}"), params)
     assert run_job(spool.params_path(f"corr-{case}")) == 1
     (reply,) = rodan.drain()

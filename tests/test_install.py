@@ -25,7 +25,8 @@ import pytest
 
 from bridge.ops.doctor import check_linger
 from bridge.ops.install import replace_block, scheduler_environment
-from tests.conftest import Queues, require_other_user
+from tests.support.broker import Queues
+from tests.support.cluster import require_other_user
 
 REPO = Path(__file__).resolve().parent.parent
 HPC_BRIDGE = REPO / ".venv" / "bin" / "hpc-bridge"
@@ -293,6 +294,23 @@ def test_replace_block_refuses_a_block_without_its_end() -> None:
         replace_block("# BEGIN hpc-bridge cron: x\n* * * * * a\n", "cron", "new\n")
     # "cron" is not "crontab-something": only the exact block name matches.
     assert replace_block("# BEGIN hpc-bridge cronx\n", "cron", None) == "# BEGIN hpc-bridge cronx\n"
+
+
+def test_write_file_replaces_atomically_with_its_mode_and_skips_what_is_there(tmp_path: Path) -> None:
+    from bridge.ops.install import InstallError, Output, write_file
+
+    path = tmp_path / "units" / "hpc-bridge.service"
+    assert write_file(Output(path, "[Unit]\nDescription=ä\n", mode=0o640)) is True
+    assert path.read_text("utf-8") == "[Unit]\nDescription=ä\n" and stat.S_IMODE(path.stat().st_mode) == 0o640
+    assert write_file(Output(path, "[Unit]\nDescription=ä\n", mode=0o640)) is False, "already exactly this"
+    assert write_file(Output(path, "[Unit]\nDescription=ä\n", mode=0o644)) is True, "only the mode differs"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    blocked = tmp_path / "blocked"
+    (blocked / "inside").mkdir(parents=True)  # a non-empty directory where the file should go
+    with pytest.raises(InstallError, match="cannot write"):
+        write_file(Output(blocked, "x"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blocked", "units"]
+    assert [p.name for p in path.parent.iterdir()] == [path.name], "no temporary file left"
 
 
 # --- systemd ---------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from tests.conftest import REPO
+from tests.support.bridge import REPO
 
 pytest.importorskip("keras")
 pytestmark = pytest.mark.training

@@ -21,7 +21,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import REPO, bridge_environ, run_bridge
+from tests.support.bridge import REPO, bridge_environ, run_bridge
 
 MONITORING = REPO / "deploy" / "monitoring"
 RULES = MONITORING / "hpc-bridge.rules.yml"

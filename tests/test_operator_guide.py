@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAST_SETTINGS, RODAN_EMAIL, RODAN_PASSWORD, wait_until
+from tests.support.bridge import FAST_SETTINGS, RODAN_EMAIL, RODAN_PASSWORD
+from tests.support.wait import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLLOW = ROOT / "deploy" / "dev" / "follow_guide.py"

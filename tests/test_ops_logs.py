@@ -14,9 +14,10 @@ import pytest
 
 from bridge.ledger import Ledger, RequestRecord
 from bridge.logs import register_secret
-from bridge.ops import logs
+from bridge.ops import request_log
 from bridge.spool import Spool
-from tests.conftest import FAST_SETTINGS, RODAN_PASSWORD, bridge_environ, cancel_spool_jobs, run_bridge
+from tests.support.bridge import FAST_SETTINGS, RODAN_PASSWORD, bridge_environ, run_bridge
+from tests.support.cluster import cancel_spool_jobs
 
 CORR = "5f0c2a9e-1111-4000-8000-000000000001"
 TWIN = "5f0c2a9e-2222-4000-8000-000000000002"  # shares the prefix 5f0c2a9e-
@@ -67,7 +68,7 @@ def fabricated(make_config, tmp_path):
 
 
 def run_logs(config: Any, wanted: str, *, as_json: bool = False) -> int:
-    return logs.run(config, argparse.Namespace(correlation_id=wanted, json=as_json, follow=False))
+    return request_log.run(config, argparse.Namespace(correlation_id=wanted, json=as_json, follow=False))
 
 
 def test_merges_bridge_worker_and_scheduler_in_time_order(fabricated, capsys):

@@ -22,8 +22,10 @@ from bridge.ledger import Ledger, RequestState
 from bridge.progress import CLEAR_LINE, Progress, format_bar, format_elapsed, read_new_events, resolve_mode
 from bridge.schedulers import JobInfo, JobState
 from bridge.spool import Spool
-from tests.conftest import FAST_SETTINGS, REPO, bridge_environ, cancel_spool_jobs, run_bridge, wait_until
-from tests.test_chain import PY, Recording, link_env, make_chain
+from tests.support.bridge import FAST_SETTINGS, REPO, bridge_environ, run_bridge
+from tests.support.chain import PY, Recording, link_env, make_chain
+from tests.support.cluster import cancel_spool_jobs
+from tests.support.wait import wait_until
 
 
 class FakeTTY(io.StringIO):

@@ -11,12 +11,12 @@ from bridge.errors import InvalidRequest
 from bridge.protocol import (
     Generation,
     error_reply,
-    format_duration,
     parse_duration_minutes,
     parse_request,
     reply_is_error,
     success_reply,
 )
+from bridge.schedulers.base import format_duration
 
 P = "/uploads/projects/0123456789abcdef0123456789abcdef/resources/{}/original_file"
 OLD_INPUTS = {

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bridge.config import load_config
-from bridge.continuation import Continuation, write_continuation
+from bridge.continuation_record import Continuation, write_continuation
 from bridge.errors import SchedulerUnavailable
 from bridge.ledger import Ledger, RequestRecord, RequestState
 from bridge.reconcile import Reconciler
@@ -119,6 +119,15 @@ def test_live_jobs_are_left_alone(world, state):
     scheduler.infos["7"] = JobInfo("7", state, state.value)
     assert reconciler.reconcile() == 0 and replies.staged() == []
     assert ledger.get("c1").job_state == state.value
+
+
+def test_the_ledger_keeps_the_job_state_not_the_schedulers_own_word(world):
+    reconciler, ledger, scheduler, replies = world
+    submitted(ledger, "c1", "7")
+    for native, state in [("hqw", JobState.PENDING), ("Rr", JobState.RUNNING), ("COMPLETING", JobState.RUNNING)]:
+        scheduler.infos["7"] = JobInfo("7", state, native, source="queue")
+        assert reconciler.reconcile() == 0
+        assert ledger.get("c1").job_state == state.value
 
 
 def test_a_vanished_job_is_judged_only_after_the_timeout(world):
@@ -260,14 +269,14 @@ def test_a_job_in_an_error_state_is_deleted_and_answered(world):
     assert "error state" in staged_errors(replies)["c1"]
 
 
-def test_settling_a_reply_deletes_the_parameter_file(world):
+def test_marking_a_reply_deletes_the_parameter_file(world):
     reconciler, ledger, scheduler, replies = world
     submitted(ledger, "c1", "7")
     params = reconciler.spool.params_path("c1")
     atomic_write_json(params, {"broker": {"url": "amqp://u:secret@h/%2F"}})
     entry = replies.stage("c1", "hpc-results", b"{}", origin="bridge")
     replies.publish_staged(_NullChannel(), entry)
-    assert reconciler.settle() == 1
+    assert reconciler.mark_replied() == 1
     assert not params.exists() and ledger.get("c1").state is RequestState.REPLIED
 
 

@@ -34,9 +34,9 @@ pytest.importorskip("keras")  # the worker extra is not installed on login nodes
 import keras
 
 from tests.pages import striped_page
+from tests.support.training import RESUME_SETTINGS, RecordingStore
 from worker.trainer import CheckpointStore, Page, TrainingInputError, TrainingInterrupted, TrainSettings, train_page
 from worker.trainer.callbacks import EarlyStopper
-from worker.trainer.checkpoint import TrainingState
 from worker.trainer.rundir import RunDirectory
 from worker.trainer.sampling import sample_centres
 
@@ -46,29 +46,9 @@ pytestmark = [
 ]
 
 REPO = Path(__file__).resolve().parent.parent
-#: 30 and 28 training patches of 32x32, batches of 8: 4 batches per epoch, 3 epochs, 2 layers.
-SETTINGS = TrainSettings(
-    epochs=3, max_samples_per_label=60, patch_height=32, patch_width=32, batch_size=8, patience=5, seed=7
-)
+SETTINGS = RESUME_SETTINGS
 LABELS = ["Background", "Layer 0"]
 METRICS = ("loss", "accuracy", "val_loss", "val_accuracy")
-
-
-class RecordingStore(CheckpointStore):
-    """A CheckpointStore that also remembers the weights of each layer's last epoch end it saved."""
-
-    def __init__(self, directory: Path) -> None:
-        super().__init__(directory)
-        self.final_weights: dict[str, list[np.ndarray]] = {}
-        self.saved: list[tuple[str, int, int]] = []  # (label, epochs done, samples into the next)
-
-    def save(self, state: TrainingState) -> Path:
-        layer = state.current
-        if layer is not None:
-            self.saved.append((layer.label, layer.epoch, layer.sample_offset))
-            if layer.sample_offset == 0:
-                self.final_weights[layer.label] = layer.weights
-        return super().save(state)
 
 
 class StopAt:
@@ -239,7 +219,7 @@ def test_interrupted_in_the_first_layer_resumes_in_a_fresh_process(reference: Ru
         from pathlib import Path
         import numpy as np
         from tests.pages import striped_page
-        from tests.test_resume import SETTINGS, RecordingStore
+        from tests.support.training import RESUME_SETTINGS as SETTINGS, RecordingStore
         from worker.trainer import train_page
         from worker.trainer.rundir import RunDirectory
 

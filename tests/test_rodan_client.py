@@ -12,7 +12,7 @@ import pytest
 
 from bridge.errors import PermanentError, RodanAuthError, TransientError
 from bridge.rodan import RodanClient
-from bridge.standin.server import RodanStandin, User
+from bridge.testing.rodan import RodanStandin, User
 
 EMAIL, PASSWORD = "hpc@example.org", "pw-for-tests"
 CAP = 64 << 20  # max_bytes of the downloads here: far above their files
@@ -89,6 +89,7 @@ def test_truncated_download_is_retried_and_detected(server: RodanStandin, tmp_pa
     with pytest.raises(TransientError, match="truncated"):
         c.download("/uploads/projects/f.bin", tmp_path / "out2.bin", max_bytes=CAP)
     assert not (tmp_path / "out2.bin").exists()
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")], "no partial file left"
 
 
 def test_reset_connections_are_retried(server: RodanStandin, tmp_path: Path) -> None:

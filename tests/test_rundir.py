@@ -6,6 +6,7 @@ import csv
 import dataclasses
 import json
 import math
+import os
 import stat
 from datetime import datetime, timezone
 from pathlib import Path
@@ -28,7 +29,9 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning"
 )
 
-SETTINGS = TrainSettings(epochs=2, max_samples_per_label=40, patch_height=64, patch_width=64, patience=3, seed=11)
+SETTINGS = TrainSettings(
+    epochs=2, max_samples_per_label=40, patch_height=64, patch_width=64, batch_size=16, patience=3, seed=11
+)
 CSV_HEADER = ["label", "epoch", "loss", "accuracy", "val_loss", "val_accuracy", "seconds", "samples_per_second"]
 
 
@@ -105,10 +108,36 @@ def test_history_files_from_recorded_epochs(tmp_path: Path) -> None:
     assert rows[0] == CSV_HEADER
     assert [r[:2] for r in rows[1:]] == [["A/b", "1"], ["A/b", "2"], ["A/b", "3"], ["C", "1"]]
     assert float(rows[3][2]) == pytest.approx(1 / 3, rel=1e-12) and rows[4][5] == "nan"
-    assert not list(run.path.glob("*.partial"))
+    assert not list(run.path.glob(".*.tmp")), "no temporary file left"
     run.plot_curves()
     with Image.open(run.curves_path) as png:
         assert png.format == "PNG" and png.width >= 600 and png.height >= 400
+
+
+@pytest.mark.parametrize(("shared", "file_mode"), [(False, 0o600), (True, 0o640)])
+def test_every_file_written_is_fsynced_with_its_mode(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shared: bool, file_mode: int
+) -> None:
+    """Settings, history and curves reach the disk (file and directory fsync) with the run's file mode."""
+    run = RunDirectory.create(tmp_path, "r", shared=shared)
+    synced: list[tuple[str, int]] = []
+    real = os.fsync
+
+    def record(fd: int) -> None:
+        info = os.fstat(fd)
+        synced.append(("directory" if stat.S_ISDIR(info.st_mode) else "file", stat.S_IMODE(info.st_mode)))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", record)
+    run.write_settings({"epochs": 1})
+    run.record_epoch("A", epoch("A", 1, loss=0.5))
+    run.write_history()
+    run.plot_curves()
+    assert [kind for kind, _ in synced] == ["file", "directory"] * 4  # settings, npz, csv, png
+    assert {mode for kind, mode in synced if kind == "file"} == {file_mode}
+    for path in (run.settings_path, run.history_npz_path, run.history_csv_path, run.curves_path):
+        assert stat.S_IMODE(path.stat().st_mode) == file_mode
+    assert not list(run.path.glob(".*.tmp"))
 
 
 def test_plot_without_epochs(tmp_path: Path) -> None:

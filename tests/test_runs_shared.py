@@ -25,15 +25,10 @@ import pytest
 from bridge.ops.doctor import check_spool
 from bridge.ops.metrics import write_metrics
 from bridge.spool import Spool, atomic_write_json
-from tests.conftest import (
-    FAST_SETTINGS,
-    Queues,
-    Rodan,
-    bridge_environ,
-    cancel_spool_jobs,
-    require_other_user,
-    run_bridge,
-)
+from tests.support.bridge import FAST_SETTINGS, bridge_environ, run_bridge
+from tests.support.broker import Queues, Rodan
+from tests.support.cluster import cancel_spool_jobs, require_other_user
+from tests.support.worker import run, write_params
 from worker.trainer.rundir import PRIVATE_FOLDERS, RunDirectory
 
 pytestmark = pytest.mark.filterwarnings(
@@ -192,13 +187,14 @@ def test_the_mode_reaches_the_job_and_the_training_writes_with_it(
     """Intake writes the mode into the parameter file (0600 in every mode); the worker's download,
     checkpoints, TensorBoard and history files (in this process, under the job's umask) get the
     mode's permissions, and the lab's group reads what it may and nothing else."""
+    from bridge.handoff import JobParameters
     from bridge.intake import Intake, Message, Outcome
     from bridge.ledger import Ledger
     from bridge.replies import ReplyBox
     from bridge.rodan import RodanClient
     from bridge.schedulers import get_scheduler
     from worker.continuation import TimeLimitWarning
-    from worker.job import JobParameters, train_or_stop
+    from worker.job import train_or_stop
 
     corr = f"corr-shared-{mode}"
     config = make_config(HPC_RUNS_SHARED=mode, HPC_RUNS_DIR=str(lab_runs))
@@ -221,7 +217,7 @@ def test_the_mode_reaches_the_job_and_the_training_writes_with_it(
     message = Message(body=body, correlation_id=corr, reply_to=queues.reply, redelivered=False, delivery_tag=1)
     assert intake.process(message).outcome is Outcome.SUBMITTED
     ((raw, params_mode),) = submitted
-    assert params_mode == 0o600 and raw["runs_shared"] == mode and raw["runs_dir"] == str(lab_runs)
+    assert params_mode == 0o600 and raw["runs_shared"] is (mode == "group") and raw["runs_dir"] == str(lab_runs)
     assert stat.S_IMODE(spool.job_dir(corr).stat().st_mode) == 0o700
 
     raw["settings"].update(patch_height=16, patch_width=16, epochs=2)
@@ -266,14 +262,12 @@ def test_runs_inside_the_spool_open_a_way_through_it_and_nothing_more(
     """The default runs folder, SPOOL/runs, in group mode: the worker (here a job whose input is
     gone: it only starts, logs and replies) lets the group through the spool (0710), into runs/
     and its run; the bridge's next pass and ``doctor`` keep the spool so."""
-    from tests.test_worker import run, write_params
-
     spool = Spool(tmp_path / "spool").ensure()
     rodan.publish(b"{}", declare=True)
     rodan.drain(queues.request)
     inputs = {**sample_inputs("new", n_layers=1), "Image": "/uploads/projects/missing/original_file"}
     path = write_params(spool, "corr-spool-runs", queues.reply, inputs, standin, broker_url)
-    atomic_write_json(path, {**json.loads(path.read_text()), "runs_shared": "group"})
+    atomic_write_json(path, {**json.loads(path.read_text()), "runs_shared": True})  # HPC_RUNS_SHARED=group
     restore = umask(0o077)
     try:
         code, _logs = run(path)

@@ -1,7 +1,7 @@
-"""The vectorised patch-centre sampler against the seed's per-pixel loop: same distribution.
+"""The vectorised patch-centre sampler against the original per-pixel loop: same distribution.
 
 Fast and without TensorFlow: ``worker.trainer``'s package imports Keras, so the two modules
-under test (NumPy only) are loaded from their files. The reference is the seed's loop as
+under test (NumPy only) are loaded from their files. The reference is the original trainer's loop as
 ported in ``benchmarks/seed_sampler.py`` (Python ``random``), and both are compared with the
 analytic distribution. All seeds are fixed, so every statistical test is deterministic.
 
@@ -199,7 +199,7 @@ def test_spatial_histograms_match_the_seed_loop_and_the_expectation(factor: int,
     take = take_probabilities(masks, max_samples, factor)
     for label, mask in masks.items():
         ours, seed = data["ours"]["hist"][label], data["seed"]["hist"][label]
-        # Two-sample chi-square (homogeneity) of our histogram against the seed loop's.
+        # Two-sample chi-square (homogeneity) of our histogram against the original loop's.
         used = (ours + seed) > 0
         k1, k2 = math.sqrt(seed.sum() / ours.sum()), math.sqrt(ours.sum() / seed.sum())
         stat = float(np.sum((k1 * ours[used] - k2 * seed[used]) ** 2 / (ours[used] + seed[used])))

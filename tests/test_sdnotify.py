@@ -24,8 +24,10 @@ from bridge.config import load_config
 from bridge.intake import Decision, Message, Outcome
 from bridge.runner import Bridge
 from bridge.sdnotify import Notifier, watchdog_interval
-from tests.conftest import REPO, bridge_environ, cancel_spool_jobs, wait_until
-from tests.test_daemon import SETTINGS, Daemon
+from tests.support.bridge import REPO, bridge_environ
+from tests.support.cluster import cancel_spool_jobs
+from tests.support.daemon import DAEMON_SETTINGS, Daemon
+from tests.support.wait import wait_until
 
 
 @dataclass
@@ -163,7 +165,7 @@ def test_daemon_is_ready_after_connecting_pings_the_watchdog_and_says_stopping(
         ready_at = notify_socket.times("READY=1")[0]
         assert daemon.events("broker_connected"), "READY=1 comes after the broker connection"
         assert len(notify_socket.lines("READY=1")) == 1
-        corr = rodan.publish_request(sample_inputs("new", n_layers=1), SETTINGS)
+        corr = rodan.publish_request(sample_inputs("new", n_layers=1), DAEMON_SETTINGS)
         wait_until(lambda: daemon.state(corr) == "submitted", 30, 0.1, "the request to be submitted")
         wait_until(lambda: len(notify_socket.times("WATCHDOG=1")) >= 6, 30, 0.1, "watchdog pings")
         pings = [t for t in notify_socket.times("WATCHDOG=1") if t >= ready_at]
@@ -282,7 +284,7 @@ def test_watchdog_stops_when_the_helper_thread_hangs(
     runner.start()
     try:
         wait_until(lambda: notify_socket.lines("READY=1"), 30, 0.05, "READY=1")
-        rodan.publish_request(sample_inputs("new", n_layers=1), SETTINGS)
+        rodan.publish_request(sample_inputs("new", n_layers=1), DAEMON_SETTINGS)
         wait_until(lambda: "end" in work, 40, 0.1, "the stuck call to end")
         wait_until(lambda: [t for t in notify_socket.times("WATCHDOG=1") if t > work["end"]], 10, 0.1, "pings again")
     finally:

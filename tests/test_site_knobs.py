@@ -34,7 +34,7 @@ from bridge.replies import ReplyBox
 from bridge.rodan import RodanClient
 from bridge.schedulers import GridEngineScheduler, JobInfo, JobSpec, JobState, Scheduler, SlurmScheduler
 from bridge.spool import Spool
-from tests.conftest import FAST_SETTINGS
+from tests.support.bridge import FAST_SETTINGS
 
 PROLOGUE = 'export SITE_VALUE="from the prologue"\necho "site prologue ran in $PWD"'
 SLURM_DIRECTIVES = ("--nice=10", "--qos=normal")
@@ -392,7 +392,9 @@ def test_real_gridengine_job_gets_the_directives_and_runs_the_prologue(
     assert f"site prologue ran in {tmp_path}\ncommand sees: from the prologue in {tmp_path}\n" in log
 
 
-@pytest.mark.parametrize("name", ["slurm", "gridengine"])
+@pytest.mark.parametrize(
+    "name", [pytest.param("slurm", marks=pytest.mark.slurm), pytest.param("gridengine", marks=pytest.mark.gridengine)]
+)
 def test_a_failing_prologue_line_fails_the_job_before_the_command(
     name: str, request: pytest.FixtureRequest, submitted: list[tuple[Scheduler, str]], tmp_path: Path
 ) -> None:

@@ -20,7 +20,8 @@ from bridge.errors import SchedulerRejected, SchedulerUnavailable
 from bridge.schedulers import JobInfo, JobSpec, JobState, SlurmScheduler, get_scheduler, slurm_cluster_args
 from bridge.schedulers.slurm import STATE_TABLE, translate
 from bridge.shell import run_command
-from tests.conftest import fake_command, require_other_user
+from tests.support.bridge import fake_command
+from tests.support.cluster import require_other_user
 
 GOLDEN = Path(__file__).parent / "golden" / "slurm_job.sh"
 GOLDEN_SITE = Path(__file__).parent / "golden" / "slurm_job_site.sh"

@@ -22,7 +22,8 @@ from bridge import spool as spool_module
 from bridge.errors import ConfigError
 from bridge.ops.doctor import check_spool_lock
 from bridge.spool import LOCK_FIX, Spool, mount_of
-from tests.conftest import Queues, bridge_environ, run_bridge
+from tests.support.bridge import bridge_environ, run_bridge
+from tests.support.broker import Queues
 
 NO_LOCK_ERRORS = [errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP]
 

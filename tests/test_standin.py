@@ -1,4 +1,4 @@
-"""The Rodan stand-in (bridge.standin): a real HTTP server on loopback, and its sample pages."""
+"""The Rodan stand-in (bridge.testing): a real HTTP server on loopback, and its sample pages."""
 
 from __future__ import annotations
 
@@ -20,12 +20,12 @@ import pytest
 import requests
 from PIL import Image
 
-from bridge.standin.samples import (
+from bridge.testing.rodan import PNG_SIGNATURE, RodanStandin, User, token_for_email
+from bridge.testing.samples import (
     EINSIEDELN_DIR,
     make_sample_page,
     synthesize_page_from_masks,
 )
-from bridge.standin.server import PNG_SIGNATURE, RodanStandin, User, token_for_email
 
 EMAIL, USERNAME, PASSWORD = "ana@example.org", "ana", "s3cret pass"
 TOKEN_RE = re.compile(r"^[0-9a-f]{40}$")
@@ -536,7 +536,7 @@ def test_stop_with_open_keepalive_connection(tmp_path):
 
 
 def test_server_import_is_light_and_cli_serves(tmp_path):
-    code = "import sys, bridge.standin.server; sys.exit('numpy' in sys.modules or 'PIL' in sys.modules)"
+    code = "import sys, bridge.testing.rodan; sys.exit('numpy' in sys.modules or 'PIL' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=30).returncode == 0
 
     out_json = tmp_path / "req.json"
@@ -545,7 +545,7 @@ def test_server_import_is_light_and_cli_serves(tmp_path):
         [
             sys.executable,
             "-m",
-            "bridge.standin",
+            "bridge.testing",
             "serve",
             "--uploads",
             str(tmp_path / "up"),

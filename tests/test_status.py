@@ -16,8 +16,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bridge.ledger import RequestRecord, RequestState
 from bridge.ops.metrics import display_state, render
-from bridge.ops.status import Row, format_duration, format_table, parse_duration, select
-from tests.conftest import FAST_SETTINGS, Cluster, bridge_environ, cancel_ledger_jobs, run_bridge, wait_until
+from bridge.ops.status import Row, format_age, format_table, parse_duration, select
+from tests.support.bridge import FAST_SETTINGS, bridge_environ, run_bridge
+from tests.support.cluster import Cluster, cancel_ledger_jobs
+from tests.support.wait import wait_until
 
 
 def sleeping_worker(tmp_path: Path) -> Path:
@@ -51,8 +53,8 @@ def test_parse_duration_refuses(text: str) -> None:
         parse_duration(text)
 
 
-def test_format_duration() -> None:
-    assert [format_duration(s) for s in (None, 5, 125, 3 * 3600 + 300, 2 * 86400 + 4 * 3600)] == [
+def test_format_age() -> None:
+    assert [format_age(s) for s in (None, 5, 125, 3 * 3600 + 300, 2 * 86400 + 4 * 3600)] == [
         "-",
         "5s",
         "2m",
@@ -211,14 +213,14 @@ def test_status_and_metrics_on_real_requests(broker_url, standin, queues, rodan,
         standin.fail_next(10_000, status=503, paths="/api/auth/token/")  # Rodan down: deferred, stays queued
         queued = rodan.publish_request(page, FAST_SETTINGS)
 
-        def settled() -> bool:
+        def ready() -> bool:
             check()
             record = json.loads((spool / "ledger" / f"{done}.json").read_text())
             return record["state"] == "replied" and Cluster("slurm").is_running(
                 json.loads((spool / "ledger" / f"{running}.json").read_text())["job_id"]
             )
 
-        wait_until(settled, timeout=300, interval=1, what="the /bin/true job replied and the sleeper running")
+        wait_until(ready, timeout=300, interval=1, what="the /bin/true job replied and the sleeper running")
         expected = {
             bad: "rejected",
             refused: "rejected",
@@ -417,7 +419,7 @@ def _metric(path: Path, name: str) -> float | None:
     reason="closing a connection needs rabbitmqctl on the broker's own machine",
 )
 def test_daemon_metrics_count_reconciliations_and_reconnects(broker_url, standin, queues, tmp_path, slurm):
-    from tests.test_daemon import Daemon, _connection_named
+    from tests.support.daemon import Daemon, connection_named
 
     spool, log, metrics = tmp_path / "spool", tmp_path / "bridge.log", tmp_path / "bridge.prom"
     env = bridge_environ(broker_url, standin, queues, spool, HPC_LOG_FILE=str(log), HPC_METRICS_FILE=str(metrics))
@@ -425,7 +427,7 @@ def test_daemon_metrics_count_reconciliations_and_reconnects(broker_url, standin
     try:
         wait_until(lambda: (_metric(metrics, "hpc_bridge_reconciliations_total") or 0) >= 1, 30, 0.1, "metrics")
         assert _metric(metrics, "hpc_bridge_broker_reconnects_total") == 0
-        mine = _connection_named(f"hpc-bridge/{daemon.proc.pid}")
+        mine = connection_named(f"hpc-bridge/{daemon.proc.pid}")
         assert len(mine) == 1
         subprocess.run(["rabbitmqctl", "-q", "close_connection", mine[0], "test: simulated broker loss"], check=True)
         wait_until(

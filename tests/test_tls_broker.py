@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pika
@@ -11,17 +10,8 @@ import pytest
 
 from bridge.amqp import connect, declare_rodan_queue, publish
 from bridge.errors import BrokerUnavailable
-from tests.tls_proxy import tls_proxy as start_tls_proxy
 
-pytestmark = [pytest.mark.broker]
-
-
-@pytest.fixture
-def tls_proxy(tmp_path: Path, broker_url: str) -> Iterator[tuple[int, Path]]:
-    """amqps:// on a free port in front of the real broker: (port, the certificate to trust)."""
-    upstream = pika.URLParameters(broker_url)
-    with start_tls_proxy(tmp_path, upstream.host, upstream.port, name="broker") as proxy:
-        yield proxy
+pytestmark = [pytest.mark.broker]  # tls_proxy (conftest) stands in front of the real broker
 
 
 def test_amqps_with_the_site_ca_publishes_and_consumes(tls_proxy: tuple[int, Path], broker_url: str) -> None:

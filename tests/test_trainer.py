@@ -31,7 +31,9 @@ pytestmark = pytest.mark.filterwarnings(  # TensorFlow's variables and NumPy 2, 
 )
 
 PATCH = 32
-TINY = TrainSettings(epochs=2, max_samples_per_label=60, patch_height=PATCH, patch_width=PATCH, seed=7)
+TINY = TrainSettings(
+    epochs=2, max_samples_per_label=60, patch_height=PATCH, patch_width=PATCH, batch_size=16, patience=3, seed=7
+)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -332,7 +334,7 @@ def test_train_page_input_errors(tmp_path: Path) -> None:
     with pytest.raises(TrainingInputError, match="layer 'Odd'"):
         train_page(Page(page.image, {"Odd": np.ones((120, 121), bool)}), TINY, tmp_path)
     with pytest.raises(TrainingInputError, match="multiple of 4"):
-        TrainSettings(patch_height=30)
+        dataclasses.replace(TINY, patch_height=30)
     assert not list(tmp_path.iterdir())  # nothing trained, nothing written
 
 

@@ -51,7 +51,11 @@ REPO = Path(__file__).resolve().parent.parent
 PATCH = 32
 
 
-TINY = TrainSettings(epochs=1, max_samples_per_label=40, patch_height=PATCH, patch_width=PATCH, seed=5)
+TINY = TrainSettings(
+    epochs=1, max_samples_per_label=40, patch_height=PATCH, patch_width=PATCH, batch_size=16, patience=3, seed=5
+)
+#: A request's settings, Rodan's defaults (the trainer has none of its own for them).
+REQUEST = dict(epochs=15, max_samples_per_label=10000, patch_height=256, patch_width=256, batch_size=16, patience=3)
 
 
 def run_child(code: str, *args: str, timeout: float = 240, **environ: str) -> dict[str, Any]:
@@ -74,21 +78,21 @@ def run_child(code: str, *args: str, timeout: float = 240, **environ: str) -> di
 
 
 def test_settings_accept_strategies_and_precisions() -> None:
-    assert TrainSettings().strategy == "auto" and TrainSettings().mixed_precision == "off"
-    devices = TrainSettings(strategy=["/cpu:0"])  # type: ignore[arg-type]  # a list, as a test would pass it
+    assert TrainSettings(**REQUEST).strategy == "auto" and TrainSettings(**REQUEST).mixed_precision == "off"
+    devices = TrainSettings(**REQUEST, strategy=["/cpu:0"])  # type: ignore[arg-type]  # a list, as a test would pass it
     assert devices.strategy == ("/cpu:0",)
     hash(devices)  # still a frozen, hashable dataclass
     for value in ("auto", "mirrored", "default"):
-        assert TrainSettings(strategy=value).strategy == value
+        assert TrainSettings(**REQUEST, strategy=value).strategy == value
     for value in ("off", "float16", "bfloat16"):
-        assert TrainSettings(mixed_precision=value).mixed_precision == value
+        assert TrainSettings(**REQUEST, mixed_precision=value).mixed_precision == value
     with pytest.raises(TrainingInputError, match="strategy"):
-        TrainSettings(strategy="horovod")
+        TrainSettings(**REQUEST, strategy="horovod")
     with pytest.raises(TrainingInputError, match="devices"):
-        TrainSettings(strategy=())
+        TrainSettings(**REQUEST, strategy=())
     for value in ("auto", "on", "mixed_float16"):  # float32 is the default; an opt-in names its type
         with pytest.raises(TrainingInputError, match="mixed_precision"):
-            TrainSettings(mixed_precision=value)
+            TrainSettings(**REQUEST, mixed_precision=value)
     # The bridge's HPC_MIXED_PRECISION passes exactly these values on.
     assert BRIDGE_PRECISIONS == MIXED_PRECISION_CHOICES
 
@@ -113,7 +117,7 @@ def test_strategy_and_precision_choice() -> None:
     assert strategy_name(forced) == "MirroredStrategy" and forced.num_replicas_in_sync == 1
     with pytest.raises(TrainingInputError, match="cannot be shared evenly by the 3 devices"):
         make_strategy(("/cpu:0", "/cpu:1", "/cpu:2"), [], 16)
-    plan = plan_training(TrainSettings(batch_size=8))  # this machine: no GPU
+    plan = plan_training(TrainSettings(**{**REQUEST, "batch_size": 8}))  # this machine: no GPU
     assert (strategy_name(plan.strategy), plan.replicas, plan.global_batch_size, plan.policy) == (
         "default", 1, 8, "float32",
     )  # fmt: skip
@@ -181,8 +185,8 @@ class Count(keras.callbacks.Callback):
         self.steps += 1
 
 def train(devices, batch):
-    settings = TrainSettings(epochs=2, patch_height=32, patch_width=32, batch_size=batch, seed=1,
-                             strategy=devices, include_optimizer=True)
+    settings = TrainSettings(epochs=2, max_samples_per_label=10000, patch_height=32, patch_width=32, batch_size=batch,
+                             patience=3, seed=1, strategy=devices, include_optimizer=True)
     count = Count()
     result = train_label(page, "Layer", centres, settings, shuffle_rng=np.random.default_rng(0), init_seed=3,
                          callbacks=[count])
@@ -328,7 +332,7 @@ rng = np.random.default_rng(0)
 image = rng.integers(0, 256, (side, side, 3), dtype=np.uint8)  # the same page in both runs
 page = Page(image, {"Everything": np.ones((side, side), bool)})
 settings = TrainSettings(epochs=epochs, patience=epochs, max_samples_per_label=samples, patch_height=64,
-                         patch_width=64, seed=3, validation_split=split)
+                         patch_width=64, batch_size=16, seed=3, validation_split=split)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 train_page(page, settings, Path(out), on_epoch=steps.append)
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -26,16 +26,9 @@ from bridge.ops.doctor import check_worker
 from bridge.spool import Spool, safe_key
 from bridge.version import pinned_worker_python
 from tests import stub_worker
-from tests.conftest import (
-    FAST_SETTINGS,
-    REPO,
-    Cluster,
-    bridge_environ,
-    cancel_ledger_jobs,
-    job_parameters_json,
-    run_bridge,
-    wait_until,
-)
+from tests.support.bridge import FAST_SETTINGS, REPO, bridge_environ, job_parameters_json, run_bridge
+from tests.support.cluster import Cluster, cancel_ledger_jobs
+from tests.support.wait import wait_until
 from worker import cli as worker_cli
 from worker.job import warn_on_version_mismatch
 

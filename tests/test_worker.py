@@ -3,60 +3,19 @@
 from __future__ import annotations
 
 import base64
-import io
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 import h5py
 import pytest
 
-from bridge.logs import configure_logging
 from bridge.replies import ReplyBox
 from bridge.spool import Spool, atomic_write_json
-from tests.conftest import bridge_environ, run_bridge
-from worker.job import run_job
+from tests.support.bridge import bridge_environ, run_bridge
+from tests.support.worker import run, write_params
 
 pytestmark = [pytest.mark.broker]
-
-
-def write_params(
-    spool: Spool, corr: str, reply_to: str, inputs: dict[str, str], standin, broker_url: str, **settings: Any
-) -> Path:
-    layers = [["Background", "Background Model"]] + [
-        [name, f"Model {name.rsplit(' ', 1)[1]}"] for name in sorted(inputs) if name.startswith("rgba PNG - Layer")
-    ]
-    params = {
-        "correlation_id": corr,
-        "reply_to": reply_to,
-        "generation": "new",
-        "inputs": inputs,
-        "layers": layers,
-        "settings": {
-            "epochs": 1,
-            "max_samples_per_label": 100,
-            "patch_height": 64,
-            "patch_width": 64,
-            "batch_size": 16,
-            "patience": 3,
-            **settings,
-        },
-        "rodan": {"base_url": standin.url, "token": standin.user("hpc@example.org").token},
-        "broker": {"url": broker_url},
-        "spool": str(spool.root),
-        "max_reply_bytes": 128 * 1024 * 1024,
-    }
-    path = spool.params_path(corr)
-    atomic_write_json(path, params)
-    return path
-
-
-def run(params: Path) -> tuple[int, str]:
-    stream = io.StringIO()
-    configure_logging(stream=stream, component="worker")
-    code = run_job(params)
-    return code, stream.getvalue()
 
 
 def test_missing_resource_is_an_error_reply_naming_the_step(
@@ -130,7 +89,7 @@ def test_the_operators_precision_reaches_the_trainer_and_the_models_stay_float32
     from bridge.ledger import Ledger
     from bridge.rodan import RodanClient
     from bridge.schedulers import get_scheduler
-    from tests.conftest import FAST_SETTINGS
+    from tests.support.bridge import FAST_SETTINGS
 
     config = make_config(HPC_MIXED_PRECISION="bfloat16")
     spool = Spool(config.spool_dir).ensure()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite, as CI runs it: set-up, lint, type-check, then pytest against the real
-# RabbitMQ, the real single-node Slurm and Grid Engine clusters and the Rodan stand-in.
+# The whole test suite, as CI runs it: set-up, lint, type-check, import contracts (lint-imports, pyproject.toml),
+# then pytest against the real RabbitMQ, the real single-node Slurm and Grid Engine clusters and the Rodan stand-in.
 # Extra arguments go to pytest. Tests run in HPC_TEST_WORKERS processes (pytest-xdist, default 2):
 # most of the suite's time is spent waiting on schedulers (time limits, requeues), not computing.
 set -euo pipefail
@@ -11,6 +11,8 @@ echo "[test] ruff"
 .venv/bin/ruff check .
 echo "[test] mypy"
 .venv/bin/mypy
+echo "[test] import contracts"
+.venv/bin/lint-imports --no-cache
 echo "[test] pytest"
 # Two phases: everything that shares the services runs in parallel; the tests that stop a shared
 # service (marker "exclusive") run afterwards, alone. Both phases run; the exit status is the worst.

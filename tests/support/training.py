@@ -1,0 +1,32 @@
+"""Small trainings for the trainer's tests (these import TensorFlow)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from worker.trainer import CheckpointStore, TrainSettings
+from worker.trainer.checkpoint import TrainingState
+
+#: 30 and 28 training patches of 32x32, batches of 8: 4 batches per epoch, 3 epochs, 2 layers.
+RESUME_SETTINGS = TrainSettings(
+    epochs=3, max_samples_per_label=60, patch_height=32, patch_width=32, batch_size=8, patience=5, seed=7
+)
+
+
+class RecordingStore(CheckpointStore):
+    """A CheckpointStore that also remembers the weights of each layer's last epoch end it saved."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(directory)
+        self.final_weights: dict[str, list[np.ndarray]] = {}
+        self.saved: list[tuple[str, int, int]] = []  # (label, epochs done, samples into the next)
+
+    def save(self, state: TrainingState) -> Path:
+        layer = state.current
+        if layer is not None:
+            self.saved.append((layer.label, layer.epoch, layer.sample_offset))
+            if layer.sample_offset == 0:
+                self.final_weights[layer.label] = layer.weights
+        return super().save(state)

@@ -1,0 +1,133 @@
+"""Tests of bridge.shell.run_command, the interruptible form (``stop``) above all."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from bridge.shell import (
+    CommandError,
+    CommandInterrupted,
+    CommandNotFound,
+    CommandTimeout,
+    run_command,
+)
+
+
+def never() -> bool:
+    return False
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a process that still runs (a zombie does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def hanging_script(tmp_path: Path) -> tuple[list[str], Path]:
+    """A command that prints, starts a child that hangs, writes its pid, and waits for it."""
+    pid_file = tmp_path / "child.pid"
+    script = f'echo started; echo to-stderr >&2; sleep 60 & echo $! > "{pid_file}.tmp"; '
+    script += f'mv "{pid_file}.tmp" "{pid_file}"; wait'
+    return ["sh", "-c", script], pid_file
+
+
+@pytest.mark.parametrize("stop", [None, never], ids=["plain", "interruptible"])
+def test_output_exit_status_and_input(stop: Callable[[], bool] | None, tmp_path: Path) -> None:
+    result = run_command(
+        ["sh", "-c", "cat; pwd; echo oops >&2"], timeout=10, input_text="hello\n", cwd=tmp_path, stop=stop
+    )
+    assert (result.returncode, result.stdout, result.stderr) == (0, f"hello\n{tmp_path}\n", "oops\n")
+    with pytest.raises(CommandError) as failed:
+        run_command(["sh", "-c", "echo out; echo why >&2; exit 3"], timeout=10, stop=stop)
+    assert failed.value.result.returncode == 3 and failed.value.reason == "exit status 3"
+    assert (failed.value.result.stdout, failed.value.result.stderr) == ("out\n", "why\n")
+    unchecked = run_command(["sh", "-c", "exit 4"], timeout=10, check=False, stop=stop)
+    assert unchecked.returncode == 4
+    with pytest.raises(CommandNotFound):
+        run_command([str(tmp_path / "no-such-program")], timeout=10, stop=stop)
+
+
+def test_stop_kills_the_whole_process_group_and_keeps_the_output(tmp_path: Path) -> None:
+    argv, pid_file = hanging_script(tmp_path)
+    started = time.monotonic()
+    with pytest.raises(CommandInterrupted) as stopped:
+        run_command(argv, timeout=60, stop=pid_file.exists)
+    assert time.monotonic() - started < 5
+    assert stopped.value.result.stdout == "started\n" and stopped.value.result.stderr == "to-stderr\n"
+    assert stopped.value.result.returncode == -1
+    child = int(pid_file.read_text())
+    wait_for(lambda: not alive(child))  # the grandchild went with its parent, not left running
+
+
+def test_another_thread_stops_a_command_promptly(tmp_path: Path) -> None:
+    argv, pid_file = hanging_script(tmp_path)
+    flag = threading.Event()
+    outcome: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            run_command(argv, timeout=60, stop=flag.is_set)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    wait_for(pid_file.exists)
+    started = time.monotonic()
+    flag.set()
+    thread.join(10)
+    assert not thread.is_alive() and time.monotonic() - started < 1.0
+    assert len(outcome) == 1 and isinstance(outcome[0], CommandInterrupted)
+
+
+def test_a_command_is_not_started_once_stop_is_true(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    with pytest.raises(CommandInterrupted):
+        run_command(["touch", str(marker)], timeout=10, stop=lambda: True)
+    assert not marker.exists()
+
+
+def test_timeout_with_stop_kills_the_group(tmp_path: Path) -> None:
+    argv, pid_file = hanging_script(tmp_path)
+    started = time.monotonic()
+    with pytest.raises(CommandTimeout) as timed_out:
+        run_command(argv, timeout=1, stop=never)
+    assert 1 <= time.monotonic() - started < 6
+    assert timed_out.value.result.stdout == "started\n"
+    child = int(pid_file.read_text())
+    wait_for(lambda: not alive(child))
+
+
+def test_a_child_that_leaves_the_group_does_not_hold_the_caller(tmp_path: Path) -> None:
+    """A descendant in a session of its own keeps the pipes open: the kill does not wait for it."""
+    pid_file = tmp_path / "escaped.pid"
+    setsid = "setsid" if any(Path(d, "setsid").exists() for d in os.get_exec_path()) else None
+    if setsid is None:
+        pytest.skip("no setsid on this machine")
+    script = f"setsid sh -c 'echo $$ > \"{pid_file}\"; exec sleep 30' & echo started; wait"
+    started = time.monotonic()
+    try:
+        with pytest.raises(CommandInterrupted) as stopped:
+            run_command(["sh", "-c", script], timeout=60, stop=pid_file.exists)
+        assert time.monotonic() - started < 15  # the grace (5 s), not the 30 s sleep
+        assert stopped.value.result.stdout == "started\n"
+    finally:
+        if pid_file.exists():
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
