@@ -120,7 +120,15 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run_case(case: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    settings = TrainSettings(patch_height=args.patch, patch_width=args.patch, batch_size=args.batch, seed=1)
+    settings = TrainSettings(
+        epochs=15,
+        max_samples_per_label=10000,
+        patch_height=args.patch,
+        patch_width=args.patch,
+        batch_size=args.batch,
+        patience=3,
+        seed=1,
+    )
     plan = plan_training(settings)
     keras.utils.set_random_seed(1)
     rng = np.random.default_rng(0)

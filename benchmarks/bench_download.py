@@ -2,7 +2,7 @@
 requests, 1 MiB raw chunks, the byte cap, length check, fsync, atomic rename) vs `curl -o` of the same file
 from the same loopback server, interleaved, in the same run.
 
-Two servers: the Rodan stand-in (`bridge/standin/server.py`, Python, 64 KiB writes; what the tests
+Two servers: the Rodan stand-in (`bridge/testing/rodan.py`, Python, 64 KiB writes; what the tests
 use) and a plain `socket.sendfile` server (so that the server is never the slower side and the
 clients are what is compared). Each download runs in a fresh process (ours: a child Python that
 times `download()` alone; curl: its own `time_total`), so neither shares a GIL with the server.
@@ -28,12 +28,13 @@ from typing import Any
 from benchlib import EMAIL, PASSWORD, REPO, load
 from tables import print_table
 
-from bridge.standin.server import RodanStandin, User
+from bridge.testing.rodan import RodanStandin, User
 
 CHILD = """
 import sys, time
 from pathlib import Path
-from bridge.rodan import DEFAULT_MAX_INPUT_BYTES, RodanClient
+from bridge.handoff import DEFAULT_MAX_INPUT_BYTES
+from bridge.rodan import RodanClient
 client = RodanClient(sys.argv[1], token=sys.argv[3])
 result = client.download(sys.argv[2], Path(sys.argv[4]), max_bytes=DEFAULT_MAX_INPUT_BYTES)
 print(result.seconds, result.bytes)

@@ -50,12 +50,12 @@ def profile_child(out_dir: Path) -> int:
     from bridge.cli import main as cli_main
 
     work = cProfile.Profile()
-    original = runner.Bridge._blocking
+    original = runner.Bridge._off_connection_thread
 
-    def profiled_blocking(self: runner.Bridge, fn: Callable[..., Any], *args: object) -> Any:
+    def profiled_off_connection_thread(self: runner.Bridge, fn: Callable[..., Any], *args: object) -> Any:
         return original(self, lambda *a: work.runcall(fn, *a), *args)
 
-    runner.Bridge._blocking = profiled_blocking
+    runner.Bridge._off_connection_thread = profiled_off_connection_thread
     owner = cProfile.Profile()
     started = time.monotonic()
     status: int = owner.runcall(cli_main, ["check"])

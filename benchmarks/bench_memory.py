@@ -1,8 +1,8 @@
-"""Peak memory of training (benchmark 2): our trainer against the seed's materialised patches.
+"""Peak memory of training (benchmark 2): our trainer against the original trainer's materialised patches.
 
 The request: 10,000 samples per label, 4 layers, 256x256 patches, batch 16. Each number
 below comes from a fresh interpreter (a subprocess), on a synthetic page the size of a real
-manuscript page (default 6496x4872, like one page of the Einsiedeln scan in shared/data),
+manuscript page (default 6496x4872, like one page of the Einsiedeln scan the other benchmarks read),
 whose 4 layers each cover a quarter of the area where patches may be centred, so that the
 sampler draws the full 10,000 centres per layer.
 
@@ -15,13 +15,13 @@ sampler draws the full 10,000 centres per layer.
   samples (``tests/test_trainer_scaling.py``) but does creep from layer to layer (0.1-0.9
   GB over 4 layers at 256x256: the allocator's, not the data's). Peak = ``ru_maxrss`` of
   the child; ``per_layer`` gives the RSS and the peak at the end of each layer.
-* **seed, computed.** What the seed's ``getTrain`` keeps for the whole run: per sample a
+* **original, computed.** What the original trainer's ``getTrain`` keeps for the whole run: per sample a
   float64 X patch (256*256*3*8 bytes: ``(255. - patch) / 255.`` of the uint8 image) and a
-  Y patch as the seed stores it (slices of ``np.logical_and(...)`` masks: bool, 256*256
+  Y patch as the original stores it (slices of ``np.logical_and(...)`` masks: bool, 256*256
   bytes), for 4 x 10,000 samples, plus the TensorFlow training footprint (model, one
   batch's activations, the page), which is the same network and batch as ours: our
   measured float32 peak is used for it.
-* **seed, measured and extrapolated.** The seed's ``getTrain`` (re-implemented faithfully
+* **original, measured and extrapolated.** The original trainer's ``getTrain`` (re-implemented faithfully
   below: the per-pixel loop, ``(255. - x) / 255.`` per patch, lists, then ``np.asarray``)
   run on the same page with ``--seed-samples`` per label, its peak and retained RSS growth
   measured and scaled linearly to 10,000 per label. This includes the transient copy made
@@ -127,6 +127,7 @@ def child_ours(args: argparse.Namespace) -> dict[str, Any]:
         patch_height=args.patch,
         patch_width=args.patch,
         batch_size=args.batch,
+        patience=3,
         seed=1,
         mixed_precision=args.precision,
     )
@@ -149,13 +150,13 @@ def child_ours(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-# --------------------------------------------------------------------------- the seed (child)
+# ------------------------------------------------------------------ the original trainer (child)
 
 
 def seed_get_train(
     input_image: npt.NDArray[np.uint8], gt: dict[str, Any], patch_height: int, patch_width: int, max_samples: int
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The seed's ``getTrain`` (Calvo's patch sampler as Rodan's HPC trainer ran it), verbatim in substance."""
+    """The original ``getTrain`` (Calvo's patch sampler as Rodan's HPC trainer ran it), verbatim in substance."""
     factor = 100.0
     x_train: dict[str, Any] = {label: [] for label in gt}
     y_train: dict[str, Any] = {label: [] for label in gt}
@@ -228,7 +229,7 @@ def main() -> int:
     parser.add_argument("--val-steps", type=int, default=1, help="validation batches per layer (ours)")
     parser.add_argument("--height", type=int, default=6496)
     parser.add_argument("--width", type=int, default=4872)
-    parser.add_argument("--seed-samples", type=int, default=250, help="samples per label of the seed's measured run")
+    parser.add_argument("--seed-samples", type=int, default=250, help="samples per label, original run")
     parser.add_argument(
         "--mixed-precision", nargs="+", default=["off"], choices=["off", "float16", "bfloat16"],
         help="our runs, one per value",
@@ -265,12 +266,12 @@ def main() -> int:
 
     rows: list[tuple[str, str, float]] = [
         (
-            f"seed: float64 X + bool Y, {args.layers} x {args.samples:,} patches",
+            f"original: float64 X + bool Y, {args.layers} x {args.samples:,} patches",
             f"computed: {seed_arrays / GB:.2f} GB of arrays + {training_footprint / GB:.2f} GB TF training (measured)",
             seed_computed,
         ),
         (
-            "seed: getTrain measured, extrapolated",
+            "original: getTrain measured, extrapolated",
             f"measured at {measured_samples:,} patches ({seed['peak_growth'] / measured_samples / 2**20:.2f} MiB "
             f"peak each), x{scale:.1f}, incl. np.asarray's copy",
             seed_extrapolated,
@@ -286,7 +287,7 @@ def main() -> int:
                 float(run["peak"]),
             )
         )
-    header = ("approach", "how", "peak RSS (GB)", "seed (computed) / this", "seed (extrapolated) / this")
+    header = ("approach", "how", "peak RSS (GB)", "original (computed) / this", "original (extrapolated) / this")
     cells = [
         (name, how, f"{peak / GB:.2f}", f"{seed_computed / peak:.1f}", f"{seed_extrapolated / peak:.1f}")
         for name, how, peak in rows

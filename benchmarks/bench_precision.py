@@ -2,7 +2,7 @@
 
 The question behind ``HPC_MIXED_PRECISION`` (default off: float32, the original trainer's precision). For
 each layer of one real page (a crop of the Einsiedeln masks, with a page image synthesized from
-them: ``bridge.standin.samples.synthesize_page_from_masks``) and each dtype policy, the layer is
+them: ``bridge.testing.samples.synthesize_page_from_masks``) and each dtype policy, the layer is
 trained from the same initial weights on the same sampled patches in the same order, with the
 trainer's own pieces: ``build_sae``/``compile_sae`` (Adam 1e-4, binary cross-entropy),
 ``sample_centres``, ``split_validation`` and ``PatchDataset`` (the last fifth validates), a fixed
@@ -12,7 +12,7 @@ accuracy".
 
 It uses Keras alone (no ``tf.distribute``), so it runs on any Keras backend: TensorFlow here, JAX
 on a GPU machine that has no TensorFlow (``KERAS_BACKEND=jax``). The page's masks come from
-``HPC_EINSIEDELN_DIR`` (default ``../shared/data/einsiedeln-32r-263v`` beside the checkout).
+``HPC_EINSIEDELN_DIR`` (default: the data set beside the checkout, ``bridge.testing.samples.EINSIEDELN_DIR``).
 
     .venv/bin/python benchmarks/bench_precision.py --patch 32 --samples 200 --epochs 2   # a smoke run, CPU
     KERAS_BACKEND=jax python benchmarks/bench_precision.py                                # on a GPU
@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 
 from benchmarks.tables import print_table  # noqa: E402
-from bridge.standin.samples import EINSIEDELN_DIR, synthesize_page_from_masks  # noqa: E402
+from bridge.testing.samples import EINSIEDELN_DIR, synthesize_page_from_masks  # noqa: E402
 from worker.trainer import load_page  # noqa: E402
 from worker.trainer._tf import keras  # noqa: E402
 from worker.trainer.callbacks import EpochShuffle  # noqa: E402

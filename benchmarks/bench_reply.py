@@ -34,7 +34,7 @@ import pika
 from benchlib import BROKER, REPO, load
 from tables import print_table
 
-MODEL_BYTES = 5_800_000  # one model without optimizer state (../shared/PROTOCOL.md section 3)
+MODEL_BYTES = 5_800_000  # one model without optimizer state (docs/protocol.md §3.4)
 CACHE = Path(tempfile.gettempdir()) / "hpc-bench-sae256"
 
 BUILD = """

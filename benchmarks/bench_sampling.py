@@ -1,6 +1,6 @@
-"""Benchmark 1: patch-centre sampling on a real page, vectorised vs the seed's per-pixel loop.
+"""Benchmark 1: patch-centre sampling on a real page, vectorised vs the original per-pixel loop.
 
-Reads the real annotation layers of ``../shared/data/einsiedeln-32r-263v/`` (RGBA PNGs of
+Reads the real Einsiedeln annotation layers (the data set kept beside the checkout, :data:`DATA`; RGBA PNGs of
 4872 x 12992 pixels: a pixel belongs to a layer where its alpha is 255; the layers
 Background, Neumes and StaffLines, each ANDed with SelectedRegions, as the worker does),
 then times, with the same masks and the default settings (256 x 256 patches, at most
@@ -8,7 +8,7 @@ then times, with the same masks and the default settings (256 x 256 patches, at 
 
 - ``vectorised``: :func:`worker.trainer.sampling.sample_centres` (the product), best of
   ``--repeats`` runs;
-- ``seed loop``: :func:`benchmarks.seed_sampler.seed_sample`, the seed's Python loop over
+- ``original``: :func:`benchmarks.seed_sampler.seed_sample`, the original trainer's Python loop over
   every pixel (run once: about 5 s on the full page).
 
 and prints a table: method, seconds, samples per layer, speed-up; then the peak memory
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     header = f"{'method':<12} {'seconds':>10}  " + "  ".join(f"{label:>11}" for label in LAYERS) + f"  {'speed-up':>9}"
     print(header)
     print("-" * len(header))
-    for name, seconds, counts in (("seed loop", loop_seconds, loop_counts), ("vectorised", vec_seconds, vec_counts)):
+    for name, seconds, counts in (("original", loop_seconds, loop_counts), ("vectorised", vec_seconds, vec_counts)):
         cells = "  ".join(f"{counts[label]:>11,d}" for label in LAYERS)
         print(f"{name:<12} {seconds:>10.4f}  {cells}  {loop_seconds / seconds:>8.0f}x")
     print(
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         vec_peak = traced_peak(vectorised)
         loop_peak = traced_peak(loop)
         print(f"peak traced allocations (tracemalloc, untimed runs; one bool mask = {mask_bytes / 2**20:.1f} MiB):")
-        print(f"  seed loop   {loop_peak / 2**20:>8.2f} MiB")
+        print(f"  original    {loop_peak / 2**20:>8.2f} MiB")
         print(f"  vectorised  {vec_peak / 2**20:>8.2f} MiB")
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"peak RSS of the whole process (decoded PNGs included): {peak_rss:.0f} MiB")

@@ -13,7 +13,7 @@ the first epoch (the first step traces the function; with XLA, compiles it). Cas
 * ``8 steps per execution``: ``steps_per_execution=8`` (Keras then calls the per-batch
   callbacks once per 8 steps).
 
-* ``seed: TF 1.14 fit on NumPy arrays``: the seed's own ``get_sae`` and ``fit`` (batch 16,
+* ``original: TF 1.14 fit on NumPy arrays``: the original trainer's own ``get_sae`` and ``fit`` (batch 16,
   shuffled arrays, as ``seed_stack/seed_trainer.py``) in its Python 3.7 + TensorFlow 1.14 +
   Keras 2.3.1 environment (built by ``bench_trainer.py``'s set-up).
 
@@ -44,7 +44,7 @@ CASES: dict[str, dict[str, Any]] = {
     "1 intra-op thread": {"intra": 1},
     "1 inter-op thread": {"inter": 1},
     "8 steps per execution": {"steps_per_execution": 8},
-    "seed: TF 1.14 fit on NumPy arrays": {"seed": True},
+    "original: TF 1.14 fit on NumPy arrays": {"seed": True},
 }
 SEED_CODE = """
 import json, resource, sys, time

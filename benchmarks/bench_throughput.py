@@ -71,9 +71,12 @@ def device_description(gpus: int) -> str:
 
 def measure(patch: int, args: argparse.Namespace) -> dict[str, Any]:
     settings = TrainSettings(
+        epochs=15,
+        max_samples_per_label=10000,
         patch_height=patch,
         patch_width=patch,
         batch_size=args.batch,
+        patience=3,
         strategy=tuple(args.strategy.split(",")) if "/" in args.strategy else args.strategy,
         mixed_precision=args.mixed_precision,
     )

@@ -1,16 +1,16 @@
-"""Our trainer against the seed's, on the seed's own stack, measured in the same run.
+"""Our trainer against the original trainer, on its own stack, measured in the same run.
 
 Both sides train the same page on the very same patches: a crop of the real Einsiedeln
-masks (``../shared/data/einsiedeln-32r-263v``, ``HPC_EINSIEDELN_DIR``) with a page image
+masks (``HPC_EINSIEDELN_DIR``, by default ``bridge.testing.samples.EINSIEDELN_DIR``) with a page image
 synthesized from them (parchment, dark neumes, red-brown staff lines), 3 layers
 (Background, Neumes, StaffLines), the centres drawn once by the project's sampler
-(``run_centres``, as ``train_page`` draws them for the seed given), batch 16, validation
+(``run_centres``, as ``train_page`` draws them for the random seed given), batch 16, validation
 on the last 20 %, fixed epochs (early stopping's patience 3 never triggers in 3 epochs),
 and each layer's model starting from the same weights (ours draws them from its seed, and
-the seed's run of the same round loads them): what differs is what the trainers do, and
+the original trainer's run of the same round loads them): what differs is what the trainers do, and
 the order in which each shuffles the samples.
 
-* **seed**: ``seed_stack/seed_trainer.py``, the seed's ``training_engine_sae.py`` ported
+* **original**: ``seed_stack/seed_trainer.py``, the original trainer's ``training_engine_sae.py`` ported
   faithfully (its docstring says what differs), in a Python 3.7 + TensorFlow 1.14 + Keras
   2.3.1 environment that this script builds once (``seed_stack/requirements-*.txt``, cached
   with the consumer environments in ``~/.cache/hpc-bridge/consumers``).
@@ -20,7 +20,7 @@ the order in which each shuffles the samples.
 * **ours (before)**, with ``--before REF``: the same driver on another commit of this
   repository (a temporary ``git worktree``), for the before/after profile.
 
-Each run is a fresh process; sides alternate (ours, seed, [before], ours, seed, ...) with
+Each run is a fresh process; sides alternate (ours, original, [before], ours, original, ...) with
 the 1-minute load average noted. Every process records when each batch, validation and
 epoch begins and ends (a Keras callback on both sides), which gives the profile: import,
 preparation, first step of each layer (tracing), steady step, the gap between steps
@@ -51,7 +51,7 @@ from typing import Any
 
 STARTED = time.time()
 #: The environment before TensorFlow is imported here: TensorFlow 2 adds TF2_BEHAVIOR=1 (and
-#: more) to os.environ, which would switch the seed's TensorFlow 1.14 to eager execution.
+#: more) to os.environ, which would switch the original trainer's TensorFlow 1.14 to eager execution.
 CLEAN_ENVIRONMENT = dict(os.environ)
 REPO = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
@@ -75,7 +75,7 @@ class Setting:
         )
 
 
-#: The seed-like settings of the comparison ("64", "256": few steps, the models barely leave
+#: The small settings of the comparison ("64", "256": few steps, the models barely leave
 #: "nothing here", so their accuracies mostly say that both start alike), and one where the
 #: models learn ("64-learn", where equal accuracy means something).
 SETTINGS = {
@@ -123,7 +123,7 @@ def child(spec_path: Path) -> int:
     data = np.load(spec["npz"])
     labels = spec["labels"]
     page = Page(
-        image=np.ascontiguousarray(data["image"][..., ::-1]),  # the npz holds BGR, as cv2 gives the seed
+        image=np.ascontiguousarray(data["image"][..., ::-1]),  # the npz holds BGR, as cv2 gives the original trainer
         masks={label: data[f"mask_{i}"] for i, label in enumerate(labels)},
     )
     settings = TrainSettings(
@@ -135,7 +135,7 @@ def child(spec_path: Path) -> int:
         patience=3,
         seed=spec["seed"],
     )
-    if not spec.get("tree"):  # the same patches as the seed's (an older commit draws them the same way)
+    if not spec.get("tree"):  # the same patches as the original trainer's (an older commit draws them the same way)
         from worker.trainer.sampling import run_centres
 
         drawn = run_centres(page.masks, spec["patch"], spec["patch"], settings.max_samples_per_label, settings.seed)
@@ -187,7 +187,7 @@ def child(spec_path: Path) -> int:
     training_started = time.time()
     train_page(page, settings, out / "models", on_epoch=records.append, run_dir=run_dir, checkpoints=store)
     training_s = time.time() - training_started
-    if spec.get("save_initial"):  # for the seed's run: the same starting point (see the module docstring)
+    if spec.get("save_initial"):  # for the original trainer's run: the same starting point (see the module docstring)
         np.savez(spec["save_initial"], **{f"{i}_{k}": w for i, ws in enumerate(initial) for k, w in enumerate(ws)})
     for layer in layers:
         mine = [r for r in records if r["label"] == layer["label"]]
@@ -221,7 +221,7 @@ def prepare(name: str, work: Path, seed: int) -> Path:
     """Write the page, masks and centres (npz) shared by both sides; return the npz."""
     import numpy as np
 
-    from bridge.standin.samples import EINSIEDELN_DIR, synthesize_page_from_masks
+    from bridge.testing.samples import EINSIEDELN_DIR, synthesize_page_from_masks
     from worker.trainer import load_page
     from worker.trainer.sampling import run_centres
 
@@ -255,7 +255,7 @@ def seed_python() -> Path:
         def requirements(self) -> Path:
             return SEED_REQUIREMENTS
 
-    stack = SeedStack("seed-tf1.14-py3.7", "3.7", "the seed's trainer stack")
+    stack = SeedStack("seed-tf1.14-py3.7", "3.7", "the original trainer's stack")
     return build(stack, say=lambda message: print(message, file=sys.stderr))
 
 
@@ -288,14 +288,14 @@ def run_side(side: str, npz: Path, name: str, work: Path, python: Path, tree: Pa
         "out_dir": str(out),
         "tree": str(tree) if tree else None,
     }
-    initial = work / f"initial-{name}.npz"  # written by ours, read by the seed's run after it
+    initial = work / f"initial-{name}.npz"  # written by ours, read by the original trainer's run after it
     if side == "ours":
         spec["save_initial"] = str(initial)
-    elif side == "seed":
+    elif side == "original":
         spec["initial_weights"] = str(initial)
     spec_path = out / "spec.json"
     spec_path.write_text(json.dumps(spec))
-    if side == "seed":
+    if side == "original":
         command = [str(python), str(SEED_TRAINER), str(spec_path)]
         env = {**CLEAN_ENVIRONMENT, "TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_VISIBLE_DEVICES": "", "PYTHONWARNINGS": "ignore"}
         env.pop("PYTHONPATH", None)
@@ -420,8 +420,8 @@ def report(results: list[dict[str, Any]], sides: list[str]) -> None:
             mine = [summary(r)["per_sample_ms"] for r in runs if r["side"] == side]
             if mine:
                 medians[side] = statistics.median(mine)
-        if "seed" in medians and "ours" in medians:
-            print(f"\nours vs seed, per sample (medians): {medians['seed'] / medians['ours']:.2f}x as fast")
+        if "original" in medians and "ours" in medians:
+            print(f"\nours vs original, per sample (medians): {medians['original'] / medians['ours']:.2f}x as fast")
         print("\nProfile (seconds; a median and xN occurrences over the run, the first run of each side):\n")
         first = {side: next((r for r in runs if r["side"] == side), None) for side in sides}
         table = {side: phases(r) for side, r in first.items() if r is not None}
@@ -447,7 +447,7 @@ def main() -> int:
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as scratch, worktree(args.before) as before:
         work = Path(scratch)
-        sides: list[tuple[str, Path, Path | None]] = [("ours", ours_py, None), ("seed", seed_py, None)]
+        sides: list[tuple[str, Path, Path | None]] = [("ours", ours_py, None), ("original", seed_py, None)]
         if before is not None:
             sides.append((f"ours before ({args.before})", ours_py, before))
         for name in args.settings:

@@ -23,8 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bridge.standin.samples import make_sample_page  # noqa: E402
-from bridge.standin.server import RodanStandin, User  # noqa: E402
+from bridge.testing.rodan import RodanStandin, User  # noqa: E402
+from bridge.testing.samples import make_sample_page  # noqa: E402
 
 BROKER = os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
 SETTINGS = {"Maximum time (D-HH:MM)": "0-00:05", "Maximum memory (MB)": 1024, "CPUs": 1}

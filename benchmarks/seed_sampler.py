@@ -1,4 +1,4 @@
-"""The seed's patch-centre sampling, ported faithfully: a Python loop over every pixel.
+"""The original trainer's patch-centre sampling, ported faithfully: a Python loop over every pixel.
 
 Only for comparison with :func:`worker.trainer.sampling.sample_centres` (the benchmark
 ``benchmarks/bench_sampling.py`` times both, ``tests/test_sampling.py`` checks that both

@@ -1,6 +1,6 @@
-"""The seed's patchwise trainer, ported faithfully, for ``benchmarks/bench_trainer.py`` only.
+"""The original patchwise trainer, ported faithfully, for ``benchmarks/bench_trainer.py`` only.
 
-Runs in the seed's own stack (Python 3.7, TensorFlow 1.14, standalone Keras 2.3.1: see
+Runs in its own stack (Python 3.7, TensorFlow 1.14, standalone Keras 2.3.1: see
 ``requirements-tf1.14-py3.7.txt`` beside this file), never in the product. It is
 ``training_engine_sae.py`` of DDMAL's hpc-trainer-component (the trainer Rodan's HPC
 component ran): the same ``get_sae`` (layers, initialisers, Adam(lr=1e-4), binary
@@ -144,7 +144,7 @@ def main(spec_path):
     gt = {label: data[f"mask_{i}"] for i, label in enumerate(labels)}
     centres = {label: data[f"centres_{i}"] for i, label in enumerate(labels)}
     patch = spec["patch"]
-    result = {"side": "seed", "import_s": IMPORTED - STARTED, "layers": []}
+    result = {"side": "original", "import_s": IMPORTED - STARTED, "layers": []}
     began = time.time()
     x_train, y_train = get_train(image, gt, centres, patch, patch)
     result["prepare_s"] = time.time() - began

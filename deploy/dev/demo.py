@@ -29,8 +29,8 @@ sys.path.insert(0, str(REPO))
 
 from bridge.enqueue import RequestWatcher  # noqa: E402
 from bridge.progress import Progress  # noqa: E402
-from bridge.standin.samples import make_sample_page  # noqa: E402
-from bridge.standin.server import RodanStandin, User  # noqa: E402
+from bridge.testing.rodan import RodanStandin, User  # noqa: E402
+from bridge.testing.samples import make_sample_page  # noqa: E402
 
 SETTINGS = {
     "Maximum number of training epochs": 2,

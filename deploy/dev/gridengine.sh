@@ -16,7 +16,7 @@
 # first load report takes ~3 s), `up` after wiping the spool and the cell 4.9 s, `down` 1.6-10 s
 # (sge_qmaster takes 1-9 s to shut down on SIGTERM).
 #
-# What `up` builds (see /work/shared/notes/gridengine-single-node.md for why each item is needed):
+# What `up` builds (docs/dev-clusters.md says why each item is needed):
 #   * packages gridengine-master, gridengine-exec, gridengine-client, preseeded through debconf so
 #     that the master postinst runs init_cluster (cell `default`, BerkeleyDB spool); services are
 #     never started by dpkg (policy-rc.d), sge_qmaster and sge_execd are started here, each with a
@@ -220,7 +220,7 @@ write_common() {
   if [[ -n $content ]]; then changed "cell: wrote $path ($content)"; else changed "cell: removed $path"; fi
 }
 
-# Gotcha 1 of the notes (the blocker): `vm` resolves to 127.0.0.1, which reverse-resolves to
+# The blocker on these machines: `vm` resolves to 127.0.0.1, which reverse-resolves to
 # `localhost`. qmaster then calls itself `localhost` and refuses every client ("client IP resolved
 # to host name localhost. This is not identical to clients host name vm"). host_aliases
 # `vm localhost` (the first word is the name SGE uses) plus act_qmaster=vm fix it without touching
@@ -329,7 +329,7 @@ ensure_object() {
   fi
 }
 
-# Global configuration. Gotcha 6: `qconf -Mconf FILE` takes the configuration's *name* from the
+# Global configuration. `qconf -Mconf FILE` takes the configuration's *name* from the
 # file name, so the file is $WORK/global and qconf runs in $WORK.
 configure_global() {
   local current wanted out

@@ -92,7 +92,7 @@ install_packages() {
   say "packages: installing ${missing[*]} (apt-get update + install)"
   # apt's chatter (and debconf's "delaying package configuration") goes to a log, shown on failure.
   apt-get update >"$APT_LOG" 2>&1 || die "apt-get update failed: $(tail -5 "$APT_LOG")"
-  # Gotcha 1: policy-rc.d forbids the postinst scripts from starting the services; that is
+  # policy-rc.d forbids the postinst scripts from starting the services; that is
   # expected (we start everything by hand below). The postinsts still create the munge key
   # and the MariaDB datadir.
   DEBIAN_FRONTEND=noninteractive apt-get install -y "$@" >>"$APT_LOG" 2>&1 \
@@ -105,7 +105,7 @@ install_packages() {
 # --------------------------------------------------------------------------------------------
 
 # write_if_changed PATH MODE CONTENT: rewrites PATH only when CONTENT differs, and then sets
-# CONFIG_CHANGED so that the running slurm daemons are restarted (gotcha 9: slurmd must see the
+# CONFIG_CHANGED so that the running slurm daemons are restarted (slurmd must see the
 # same slurm.conf as slurmctld, and e.g. GresTypes changes are ignored by `scontrol reconfigure`).
 write_if_changed() {
   local path=$1 mode=$2 content=$3 tmp
@@ -122,7 +122,7 @@ write_if_changed() {
 }
 
 # Which cgroup plugin enforces memory limits here?
-# v1: the notes measured the v1 hierarchies (memory, freezer, ...) as writable on this machine
+# v1: the v1 hierarchies (memory, freezer, ...) were measured writable on this machine
 #     kind; we check that by creating (and removing) a child cgroup in memory and freezer.
 # v2: only if /sys/fs/cgroup itself is a cgroup2 mount (Slurm 22.05's cgroup/v2 needs that).
 detect_cgroup_mode() {
@@ -169,8 +169,8 @@ write_configs() {
   [[ -n $node ]] || die "hostname -s is empty"
   detect_cgroup_mode
   if [[ $CGROUP_MODE == none ]]; then
-    # proctrack/pgid still kills a job's orphaned children at job end (gotcha 12:
-    # proctrack/linuxproc leaks them); but nothing enforces --mem in this mode.
+    # proctrack/pgid still kills a job's orphaned children at job end
+    # (proctrack/linuxproc leaks them); but nothing enforces --mem in this mode.
     proctrack=proctrack/pgid
     taskplugin=task/none
   else
@@ -188,16 +188,16 @@ write_configs() {
 
   # Notes on the non-obvious lines:
   #  AuthInfo=cred_expire=10   a requeued job waits cred_expire+1 s before it can run again
-  #                            (default 120 s; 5 is the minimum accepted) — gotcha 5.
+  #                            (default 120 s; 5 is the minimum accepted).
   #  sched_interval/bf_interval=2  otherwise an eligible job can wait for the next 30 s backfill pass.
-  #  DependencyParameters=kill_invalid_depend  in 22.05 it is ignored in SchedulerParameters (gotcha 7);
+  #  DependencyParameters=kill_invalid_depend  in 22.05 it is ignored in SchedulerParameters;
   #                            an afterok on a failed job is cancelled instead of pending forever.
   #  DefMemPerCPU             with CR_Core_Memory a job without --mem would get the whole node
-  #                            (one job at a time) — gotcha 3. The notes use 128, but with task/cgroup
+  #                            (one job at a time). 128 is a common choice, but with task/cgroup
   #                            this is also a HARD limit, and 128 MB kills a plain `python -c 'import
   #                            numpy'`; MEM_MB/CPUS (2000) still lets CPUS one-CPU jobs run at once.
   #  SlurmdParameters=config_overrides  lets the node advertise more CPUs than the 2 real cores
-  #                            without being drained — gotcha 4.
+  #                            without being drained.
   #  EnforcePartLimits=ALL     impossible requests are rejected at submit instead of pending forever.
   #  MailProg=/bin/true        --mail-* is accepted, nothing is sent.
   local slurm_conf
@@ -274,7 +274,7 @@ ConstrainRAMSpace=yes
 ConstrainSwapSpace=no
 ConstrainDevices=no"
 
-  # slurmdbd refuses to start unless its config is 0600 (gotcha 8).
+  # slurmdbd refuses to start unless its config is 0600.
   write_if_changed "$ETC/slurmdbd.conf" 600 "AuthType=auth/munge
 DbdHost=localhost
 DbdAddr=127.0.0.1
@@ -302,7 +302,7 @@ start_munged() {
     say "munged: running (pid $pid)"
     return 0
   fi
-  # Gotcha 2: /run is a tmpfs and nothing (no systemd-tmpfiles) recreates /run/munge.
+  # /run is a tmpfs and nothing (no systemd-tmpfiles) recreates /run/munge.
   install -d -o munge -g munge -m 0755 /run/munge
   install -d -o munge -g munge -m 0700 /var/log/munge /var/lib/munge
   if [[ ! -s /etc/munge/munge.key ]]; then
@@ -327,7 +327,7 @@ ensure_mariadb() {
     say "mariadb: running (reused)"
   else
     pkg_installed mariadb-server || install_packages mariadb-server
-    # Gotcha 2 again: /run/mysqld is missing after a reboot of the tmpfs.
+    # The same: /run/mysqld is missing after a reboot of the tmpfs.
     install -d -o mysql -g root -m 0755 /run/mysqld
     if [[ ! -d /var/lib/mysql/mysql ]]; then
       mariadb-install-db --user=mysql --datadir=/var/lib/mysql >/dev/null
@@ -359,7 +359,7 @@ start_slurmdbd() {
   say "slurmdbd: started (pid $(daemon_pid slurmdbd))"
 }
 
-# `sacctmgr -i add cluster` once (gotcha 8): slurmctld must find its cluster in slurmdbd.
+# `sacctmgr -i add cluster` once: slurmctld must find its cluster in slurmdbd.
 ensure_cluster() {
   local clusters
   clusters=$(timeout 20 sacctmgr -n -P show cluster format=cluster 2>&1) \
@@ -412,7 +412,7 @@ start_slurmd() {
   say "slurmd: started (pid $(daemon_pid slurmd))"
 }
 
-# Gotcha 10: after a slurmctld (re)start the node shows `idle` from saved state, but jobs only
+# After a slurmctld (re)start the node shows `idle` from saved state, but jobs only
 # start ~3 s later. A real one-task job is the only reliable readiness check.
 probe() {
   local out
@@ -458,7 +458,7 @@ cmd_up() {
   install_packages "${PACKAGES[@]}"
   write_configs
   if ((CONFIG_CHANGED)); then
-    # Gotcha 9: restart every slurm daemon when a config file changed (munged is unaffected).
+    # Restart every slurm daemon when a config file changed (munged is unaffected).
     local any=0 d
     for d in slurmd slurmctld slurmdbd; do daemon_pid "$d" >/dev/null && any=1; done
     if ((any)); then
