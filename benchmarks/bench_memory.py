@@ -23,7 +23,7 @@ sampler draws the full 10,000 centres per layer.
   measured float32 peak is used for it.
 * **original, measured and extrapolated.** The original trainer's ``getTrain`` (re-implemented faithfully
   below: the per-pixel loop, ``(255. - x) / 255.`` per patch, lists, then ``np.asarray``)
-  run on the same page with ``--seed-samples`` per label, its peak and retained RSS growth
+  run on the same page with ``--original-samples`` per label, its peak and retained RSS growth
   measured and scaled linearly to 10,000 per label. This includes the transient copy made
   by ``np.asarray`` while the list of patches is still alive. Its peak is then
   ``max(our RSS before training + getTrain's peak growth, our training peak + retained
@@ -153,7 +153,7 @@ def child_ours(args: argparse.Namespace) -> dict[str, Any]:
 # ------------------------------------------------------------------ the original trainer (child)
 
 
-def seed_get_train(
+def original_get_train(
     input_image: npt.NDArray[np.uint8], gt: dict[str, Any], patch_height: int, patch_width: int, max_samples: int
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The original ``getTrain`` (Calvo's patch sampler as Rodan's HPC trainer ran it), verbatim in substance."""
@@ -184,14 +184,14 @@ def seed_get_train(
     return x_train, y_train
 
 
-def child_seed(args: argparse.Namespace) -> dict[str, Any]:
+def child_original(args: argparse.Namespace) -> dict[str, Any]:
     image, masks = make_page(args.height, args.width, args.layers, args.patch)
     bgr = np.ascontiguousarray(image[..., ::-1])  # cv2.imread gives BGR; same size
     del image
     random.seed(1)
     before = rss_bytes()
     start = time.perf_counter()
-    x, y = seed_get_train(bgr, masks, args.patch, args.patch, args.seed_samples)
+    x, y = original_get_train(bgr, masks, args.patch, args.patch, args.original_samples)
     retained = rss_bytes() - before
     peak = peak_bytes() - before
     samples = {label: len(x[label]) for label in x}
@@ -210,7 +210,7 @@ def child_seed(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_child(kind: str, args: argparse.Namespace, precision: str = "off") -> dict[str, Any]:
     command = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--precision", precision]
-    for name in ("samples", "layers", "patch", "batch", "steps", "val_steps", "height", "width", "seed_samples"):
+    for name in ("samples", "layers", "patch", "batch", "steps", "val_steps", "height", "width", "original_samples"):
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     if done.returncode != 0:
@@ -229,52 +229,53 @@ def main() -> int:
     parser.add_argument("--val-steps", type=int, default=1, help="validation batches per layer (ours)")
     parser.add_argument("--height", type=int, default=6496)
     parser.add_argument("--width", type=int, default=4872)
-    parser.add_argument("--seed-samples", type=int, default=250, help="samples per label, original run")
+    parser.add_argument("--original-samples", type=int, default=250, help="samples per label, original run")
     parser.add_argument(
         "--mixed-precision", nargs="+", default=["off"], choices=["off", "float16", "bfloat16"],
         help="our runs, one per value",
     )  # fmt: skip
-    parser.add_argument("--child", choices=["ours", "seed"], help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=["ours", "original"], help=argparse.SUPPRESS)
     parser.add_argument("--precision", default="off", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.child == "ours":
         print(json.dumps(child_ours(args)))
         return 0
-    if args.child == "seed":
-        print(json.dumps(child_seed(args)))
+    if args.child == "original":
+        print(json.dumps(child_original(args)))
         return 0
 
     ours = {p: run_child("ours", args, p) for p in args.mixed_precision}
     for precision, run in ours.items():
         print(f"ours ({precision}): {json.dumps(run)}", flush=True)
-    seed = run_child("seed", args)
-    print(f"seed getTrain at {args.seed_samples} per label: {json.dumps(seed)}", flush=True)
+    original = run_child("original", args)
+    print(f"original getTrain at {args.original_samples} per label: {json.dumps(original)}", flush=True)
 
     reference = next(iter(ours.values()))  # the first (default "off") run: TF's training footprint
     training_footprint = reference["peak"]
     nominal = args.layers * args.samples
     per_sample = args.patch * args.patch * 3 * 8 + args.patch * args.patch  # float64 X + bool Y
-    seed_arrays = nominal * per_sample
-    seed_computed = seed_arrays + training_footprint
-    measured_samples = sum(seed["samples"].values())
+    original_arrays = nominal * per_sample
+    original_computed = original_arrays + training_footprint
+    measured_samples = sum(original["samples"].values())
     scale = nominal / measured_samples
-    seed_extrapolated = max(
-        reference["before_training"] + seed["peak_growth"] * scale,
-        training_footprint + seed["retained_growth"] * scale,
+    original_extrapolated = max(
+        reference["before_training"] + original["peak_growth"] * scale,
+        training_footprint + original["retained_growth"] * scale,
     )
 
     rows: list[tuple[str, str, float]] = [
         (
             f"original: float64 X + bool Y, {args.layers} x {args.samples:,} patches",
-            f"computed: {seed_arrays / GB:.2f} GB of arrays + {training_footprint / GB:.2f} GB TF training (measured)",
-            seed_computed,
+            f"computed: {original_arrays / GB:.2f} GB of arrays"
+            f" + {training_footprint / GB:.2f} GB TF training (measured)",
+            original_computed,
         ),
         (
             "original: getTrain measured, extrapolated",
-            f"measured at {measured_samples:,} patches ({seed['peak_growth'] / measured_samples / 2**20:.2f} MiB "
+            f"measured at {measured_samples:,} patches ({original['peak_growth'] / measured_samples / 2**20:.2f} MiB "
             f"peak each), x{scale:.1f}, incl. np.asarray's copy",
-            seed_extrapolated,
+            original_extrapolated,
         ),
     ]
     for run in ours.values():
@@ -289,7 +290,7 @@ def main() -> int:
         )
     header = ("approach", "how", "peak RSS (GB)", "original (computed) / this", "original (extrapolated) / this")
     cells = [
-        (name, how, f"{peak / GB:.2f}", f"{seed_computed / peak:.1f}", f"{seed_extrapolated / peak:.1f}")
+        (name, how, f"{peak / GB:.2f}", f"{original_computed / peak:.1f}", f"{original_extrapolated / peak:.1f}")
         for name, how, peak in rows
     ]
     print(

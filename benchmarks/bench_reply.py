@@ -79,7 +79,9 @@ if side == "before":  # the reply path before the fix of 2026-11-26, restored by
     publish_staged = replies.ReplyBox.publish_staged
     replies.ReplyBox.publish_staged = lambda self, channel, entry, body=None: publish_staged(self, channel, entry)
 if side in ("ours", "nofsync", "before"):
-    params = SimpleNamespace(correlation_id="bench-" + queue, reply_to=queue, broker_url=broker, broker_ca_file=None)
+    params = SimpleNamespace(
+        correlation_id="bench-" + queue, reply_to=queue, broker=SimpleNamespace(url=broker, ca_file=None)
+    )
     deliver(ReplyBox(Spool(Path(spool)).ensure()), params, body)
     assert not list((Path(spool) / "outbox").iterdir()), "the reply stayed in the outbox"
 else:

@@ -8,7 +8,7 @@ then times, with the same masks and the default settings (256 x 256 patches, at 
 
 - ``vectorised``: :func:`worker.trainer.sampling.sample_centres` (the product), best of
   ``--repeats`` runs;
-- ``original``: :func:`benchmarks.seed_sampler.seed_sample`, the original trainer's Python loop over
+- ``original``: :func:`benchmarks.original_sampler.original_sample`, the original trainer's Python loop over
   every pixel (run once: about 5 s on the full page).
 
 and prints a table: method, seconds, samples per layer, speed-up; then the peak memory
@@ -44,7 +44,7 @@ from PIL import Image
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.seed_sampler import seed_sample  # noqa: E402
+from benchmarks.original_sampler import original_sample  # noqa: E402
 
 
 def _load_sampling() -> ModuleType:
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         return {label: len(centres) for label, centres in found.items()}
 
     def loop() -> dict[str, int]:
-        found = seed_sample(
+        found = original_sample(
             masks, args.patch, args.patch, args.max_samples, random_source=random.Random(args.seed).random
         )
         return {label: len(centres) for label, centres in found.items()}

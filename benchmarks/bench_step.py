@@ -14,7 +14,7 @@ the first epoch (the first step traces the function; with XLA, compiles it). Cas
   callbacks once per 8 steps).
 
 * ``original: TF 1.14 fit on NumPy arrays``: the original trainer's own ``get_sae`` and ``fit`` (batch 16,
-  shuffled arrays, as ``seed_stack/seed_trainer.py``) in its Python 3.7 + TensorFlow 1.14 +
+  shuffled arrays, as ``original_stack/original_trainer.py``) in its Python 3.7 + TensorFlow 1.14 +
   Keras 2.3.1 environment (built by ``bench_trainer.py``'s set-up).
 
 At 8x8 patches the step is almost all overhead, so its time is each stack's per-step cost.
@@ -44,14 +44,14 @@ CASES: dict[str, dict[str, Any]] = {
     "1 intra-op thread": {"intra": 1},
     "1 inter-op thread": {"inter": 1},
     "8 steps per execution": {"steps_per_execution": 8},
-    "original: TF 1.14 fit on NumPy arrays": {"seed": True},
+    "original: TF 1.14 fit on NumPy arrays": {"original": True},
 }
-SEED_CODE = """
+ORIGINAL_CODE = """
 import json, resource, sys, time
 import numpy as np
 sys.path.insert(0, sys.argv[1])
 from keras.callbacks import Callback
-from seed_trainer import get_sae
+from original_trainer import get_sae
 patch, steps = int(sys.argv[2]), int(sys.argv[3])
 rng = np.random.RandomState(0)
 x = rng.rand(16 * steps, patch, patch, 3)
@@ -126,11 +126,12 @@ def main() -> int:
         for name, case in CASES.items():
             env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_VISIBLE_DEVICES": "", **case.get("env", {})}
             command = [sys.executable, __file__, "--child", json.dumps([name, patch, steps])]
-            if case.get("seed"):
-                from benchmarks.bench_trainer import HERE, seed_python
+            if case.get("original"):
+                from benchmarks.bench_trainer import HERE, original_python
 
                 env["PYTHONWARNINGS"] = "ignore"
-                command = [str(seed_python()), "-c", SEED_CODE, str(HERE / "seed_stack"), str(patch), str(steps)]
+                stack = str(HERE / "original_stack")
+                command = [str(original_python()), "-c", ORIGINAL_CODE, stack, str(patch), str(steps)]
             load = os.getloadavg()[0]
             done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800, check=False)
             if done.returncode:

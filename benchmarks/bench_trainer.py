@@ -10,9 +10,9 @@ and each layer's model starting from the same weights (ours draws them from its 
 the original trainer's run of the same round loads them): what differs is what the trainers do, and
 the order in which each shuffles the samples.
 
-* **original**: ``seed_stack/seed_trainer.py``, the original trainer's ``training_engine_sae.py`` ported
+* **original**: ``original_stack/original_trainer.py``, the original trainer's ``training_engine_sae.py`` ported
   faithfully (its docstring says what differs), in a Python 3.7 + TensorFlow 1.14 + Keras
-  2.3.1 environment that this script builds once (``seed_stack/requirements-*.txt``, cached
+  2.3.1 environment that this script builds once (``original_stack/requirements-*.txt``, cached
   with the consumer environments in ``~/.cache/hpc-bridge/consumers``).
 * **ours**: ``train_page`` as the worker runs it (the oneDNN choice of
   :mod:`worker.onednn` first, then checkpoints every epoch in a checkpoint store, a run
@@ -55,8 +55,8 @@ STARTED = time.time()
 CLEAN_ENVIRONMENT = dict(os.environ)
 REPO = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
-SEED_REQUIREMENTS = HERE / "seed_stack" / "requirements-tf1.14-py3.7.txt"
-SEED_TRAINER = HERE / "seed_stack" / "seed_trainer.py"
+SEED_REQUIREMENTS = HERE / "original_stack" / "requirements-tf1.14-py3.7.txt"
+SEED_TRAINER = HERE / "original_stack" / "original_trainer.py"
 #: The layers trained, in order: the page's file names in the stand-in's uploads.
 LAYERS = {"Background": "Background", "Neumes": "Music Layer", "StaffLines": "Staff Layer"}
 
@@ -246,16 +246,16 @@ def prepare(name: str, work: Path, seed: int) -> Path:
     return path
 
 
-def seed_python() -> Path:
+def original_python() -> Path:
     from consumers import Consumer
     from consumers.build import build
 
-    class SeedStack(Consumer):
+    class OriginalStack(Consumer):
         @property
         def requirements(self) -> Path:
             return SEED_REQUIREMENTS
 
-    stack = SeedStack("seed-tf1.14-py3.7", "3.7", "the original trainer's stack")
+    stack = OriginalStack("original-tf1.14-py3.7", "3.7", "the original trainer's stack")
     return build(stack, say=lambda message: print(message, file=sys.stderr))
 
 
@@ -442,12 +442,12 @@ def main() -> int:
     if args.child:
         return child(args.child)
     sys.path.insert(0, str(REPO))
-    seed_py = seed_python()
+    original_py = original_python()
     ours_py = Path(sys.executable)
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as scratch, worktree(args.before) as before:
         work = Path(scratch)
-        sides: list[tuple[str, Path, Path | None]] = [("ours", ours_py, None), ("original", seed_py, None)]
+        sides: list[tuple[str, Path, Path | None]] = [("ours", ours_py, None), ("original", original_py, None)]
         if before is not None:
             sides.append((f"ours before ({args.before})", ours_py, before))
         for name in args.settings:

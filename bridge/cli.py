@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from bridge import schedulers
 from bridge.config import BridgeConfig, load_config
 from bridge.errors import ConfigError
 from bridge.logs import configure_logging, register_secret
@@ -163,8 +164,8 @@ def _add_chain_parser(sub: Any) -> None:
     chain.add_argument("--run-dir", type=Path, help="the run directory (default ./chain-runs/NAME-UTCTIMESTAMP)")
     chain.add_argument(
         "--scheduler",
-        help="slurm or gridengine (default $HPC_SCHEDULER, else slurm); Grid Engine reads HPC_SGE_PE, "
-        "HPC_SGE_GPU_RESOURCE and HPC_SGE_MEMORY_RESOURCE from the environment",
+        help=f"{schedulers.choices_text()} (default $HPC_SCHEDULER, else slurm); each reads its site "
+        f"settings from the environment ({', '.join(o.setting for o in schedulers.all_site_options() if o.keyword)})",
     )
     chain.add_argument("--account", help="Slurm account / Grid Engine project")
     chain.add_argument("--partition", help="Slurm partition / Grid Engine queue")

@@ -439,7 +439,7 @@ def test_stop_app_while_consuming_and_while_workers_publish(scene: Scene, node: 
         assert daemon.state(corr) == "replied"
     assert daemon.stop() == 0
     print(
-        f"\nstop_app: {len(first) + len(second)} requests, 4 outages, {sum(scene.replies.values())} replies, "
+        f"\nstop_app: {len(first) + len(second)} requests, 4 outages, {sum(map(len, scene.replies.values()))} replies, "
         f"{len(lost)} broker_lost, {len(connected)} broker_connected, Rodan reconnected {rodan_connections} times"
     )
 

@@ -40,7 +40,7 @@ from bridge.protocol import Generation, RequestSettings, parse_request
 from bridge.replies import ReplyBox
 from bridge.rodan import InputInfo, RodanClient
 from bridge.schedulers import JobSpec
-from bridge.spool import Spool, read_json
+from bridge.spool import Spool, atomic_write_json, read_json
 
 TOKEN = "token-3f9a8c-never-in-a-message"
 
@@ -406,7 +406,7 @@ def test_the_worker_reads_the_intakes_file_and_refuses_another_version(tmp_path:
     assert not path.exists()
 
     newer = {**original, "version": PARAMETERS_VERSION + 1}
-    path.write_text(json.dumps(newer))
+    atomic_write_json(path, newer)  # 0600, as the intake writes it: it holds the token
     with structlog.testing.capture_logs() as logs:
         assert run_job(path) == 3
     (event,) = [e for e in logs if e["event"] == "params_unreadable"]

@@ -2,7 +2,7 @@
 
 Fast and without TensorFlow: ``worker.trainer``'s package imports Keras, so the two modules
 under test (NumPy only) are loaded from their files. The reference is the original trainer's loop as
-ported in ``benchmarks/seed_sampler.py`` (Python ``random``), and both are compared with the
+ported in ``benchmarks/original_sampler.py`` (Python ``random``), and both are compared with the
 analytic distribution. All seeds are fixed, so every statistical test is deterministic.
 
 Analytic distribution. With ``p = min(1, 1/factor)`` and ``q[l] = min(1, ratio[l])``, a
@@ -46,7 +46,7 @@ def load(name: str, path: Path) -> ModuleType:
 
 
 sampling = load("_sampling_under_test", ROOT / "worker" / "trainer" / "sampling.py")
-seed_sampler = load("_seed_sampler_under_test", ROOT / "benchmarks" / "seed_sampler.py")
+original_sampler = load("_original_sampler_under_test", ROOT / "benchmarks" / "original_sampler.py")
 
 SEEDS = 600  # runs of each sampler per configuration
 GRID = 4  # spatial histograms: GRID x GRID bins over the candidate window
@@ -133,14 +133,14 @@ def runs(factor: float, max_samples: int) -> dict[str, Any]:
     rows, cols = window((64, 64), PATCH, PATCH)
     origin, extent = (rows.start, cols.start), (rows.stop - rows.start, cols.stop - cols.start)
     out: dict[str, Any] = {"masks": masks, "origin": origin, "extent": extent}
-    for name in ("ours", "seed"):
+    for name in ("ours", "original"):
         counts = {label: np.zeros(SEEDS) for label in [*masks, "A&B"]}
         all_centres: dict[str, list[np.ndarray]] = {label: [] for label in masks}
         for s in range(SEEDS):
             if name == "ours":
                 found = sampling.sample_centres(masks, PATCH, PATCH, max_samples, np.random.default_rng(s), factor)
             else:
-                loop = seed_sampler.seed_sample(
+                loop = original_sampler.original_sample(
                     masks, PATCH, PATCH, max_samples, factor, random_source=random.Random(1_000_000 + s).random
                 )
                 found = {k: np.array(v, dtype=np.int64).reshape(-1, 2) for k, v in loop.items()}
@@ -166,7 +166,7 @@ CONFIGS = [
 
 
 @pytest.mark.parametrize(("factor", "max_samples"), CONFIGS)
-def test_counts_match_the_seed_loop_and_the_expectation(factor: int, max_samples: int) -> None:
+def test_counts_match_the_original_loop_and_the_expectation(factor: int, max_samples: int) -> None:
     data = runs(factor, max_samples)
     masks = data["masks"]
     inside = window((64, 64), PATCH, PATCH)
@@ -179,12 +179,12 @@ def test_counts_match_the_seed_loop_and_the_expectation(factor: int, max_samples
     joint = p * (take["A"] / p) * (take["B"] / p)  # one first test, two independent second tests
     mean["A&B"], var["A&B"] = both * joint, both * joint * (1 - joint)
     for key in mean:
-        ours, seed = data["ours"]["counts"][key], data["seed"]["counts"][key]
+        ours, original = data["ours"]["counts"][key], data["original"]["counts"][key]
         se_analytic = math.sqrt(var[key] / SEEDS)
-        se_difference = math.sqrt(ours.var() / SEEDS + seed.var() / SEEDS)
-        assert abs(ours.mean() - seed.mean()) < 4 * se_difference + 1e-9, key
+        se_difference = math.sqrt(ours.var() / SEEDS + original.var() / SEEDS)
+        assert abs(ours.mean() - original.mean()) < 4 * se_difference + 1e-9, key
         assert abs(ours.mean() - mean[key]) < 4 * se_analytic + 1e-9, key
-        assert abs(seed.mean() - mean[key]) < 4 * se_analytic + 1e-9, key  # the port is right too
+        assert abs(original.mean() - mean[key]) < 4 * se_analytic + 1e-9, key  # the port is right too
         if var[key] > 0:  # binomial spread, not just the right mean (sd of a variance: ~sqrt(2/n))
             assert ours.var() == pytest.approx(var[key], rel=5 * math.sqrt(2 / SEEDS)), key
         else:
@@ -192,18 +192,18 @@ def test_counts_match_the_seed_loop_and_the_expectation(factor: int, max_samples
 
 
 @pytest.mark.parametrize(("factor", "max_samples"), CONFIGS)
-def test_spatial_histograms_match_the_seed_loop_and_the_expectation(factor: int, max_samples: int) -> None:
+def test_spatial_histograms_match_the_original_loop_and_the_expectation(factor: int, max_samples: int) -> None:
     data = runs(factor, max_samples)
     masks = data["masks"]
     inside = window((64, 64), PATCH, PATCH)
     take = take_probabilities(masks, max_samples, factor)
     for label, mask in masks.items():
-        ours, seed = data["ours"]["hist"][label], data["seed"]["hist"][label]
+        ours, original = data["ours"]["hist"][label], data["original"]["hist"][label]
         # Two-sample chi-square (homogeneity) of our histogram against the original loop's.
-        used = (ours + seed) > 0
-        k1, k2 = math.sqrt(seed.sum() / ours.sum()), math.sqrt(ours.sum() / seed.sum())
-        stat = float(np.sum((k1 * ours[used] - k2 * seed[used]) ** 2 / (ours[used] + seed[used])))
-        assert chi2_sf(stat, int(used.sum()) - 1) > 0.001, (label, "vs seed loop", stat)
+        used = (ours + original) > 0
+        k1, k2 = math.sqrt(original.sum() / ours.sum()), math.sqrt(ours.sum() / original.sum())
+        stat = float(np.sum((k1 * ours[used] - k2 * original[used]) ** 2 / (ours[used] + original[used])))
+        assert chi2_sf(stat, int(used.sum()) - 1) > 0.001, (label, "vs original loop", stat)
         # Against the analytic histogram: per bin, SEEDS x the bin's pixels x p q[l] expected.
         pixels = np.bincount(pixel_bins(mask[inside]).ravel(), weights=mask[inside].ravel(), minlength=GRID * GRID)
         expected = SEEDS * pixels * take[label]
@@ -211,7 +211,7 @@ def test_spatial_histograms_match_the_seed_loop_and_the_expectation(factor: int,
         if take[label] == 1.0:  # deterministic: every candidate pixel, every time
             assert np.array_equal(ours, expected), label
             continue
-        for name, found in (("ours", ours), ("seed", seed)):
+        for name, found in (("ours", ours), ("original", original)):
             stat = float(np.sum((found[pixels > 0] - expected[pixels > 0]) ** 2 / variance[pixels > 0]))
             assert chi2_sf(stat, int((pixels > 0).sum())) > 0.001, (label, name, stat)
 

@@ -20,6 +20,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from bridge.atomic import atomic_file
+
 if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
@@ -111,9 +113,8 @@ def resource_path(uploads_dir: Path, project: str, resource: str) -> tuple[Path,
 
 def _write_png(image: PILImage.Image, file: Path, *, compress_level: int = 6) -> None:
     file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = file.with_name(file.name + ".part")
-    image.save(tmp, format="PNG", compress_level=compress_level)
-    tmp.replace(file)
+    with atomic_file(file, mode=None) as handle:
+        image.save(handle, format="PNG", compress_level=compress_level)
 
 
 def _rgba_layer(mask: npt.NDArray[np.bool_], rgb: tuple[int, int, int]) -> PILImage.Image:
@@ -193,9 +194,8 @@ def make_sample_page(
         if fmt == "PNG":
             _write_png(image, file)
         else:
-            tmp = file.with_name(file.name + ".part")
-            image.save(tmp, format=fmt, quality=92)
-            tmp.replace(file)
+            with atomic_file(file, mode=None) as handle:
+                image.save(handle, format=fmt, quality=92)
         inputs[name] = path
 
     put("Image", _to_image(rgb), "PNG" if image_format == "png" else "JPEG")

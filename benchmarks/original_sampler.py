@@ -31,7 +31,7 @@ import numpy.typing as npt
 FACTOR = 100
 
 
-def seed_sample(
+def original_sample(
     masks: Mapping[str, npt.NDArray[np.bool_]],
     patch_height: int,
     patch_width: int,

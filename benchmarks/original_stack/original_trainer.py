@@ -20,7 +20,7 @@ an HDF5 file, EarlyStopping with patience 3), with two differences for the compa
 * a callback records when every batch, validation and epoch begins and ends, and
   ``verbose=0`` replaces ``verbose=2`` (a line per epoch on stdout, which carries the JSON).
 
-Usage: ``python seed_trainer.py SPEC.json`` where the spec names an ``.npz`` with
+Usage: ``python original_trainer.py SPEC.json`` where the spec names an ``.npz`` with
 ``image`` (uint8 H x W x 3 in BGR order, as ``cv2.imread`` gives it), ``mask_<i>`` (bool)
 and ``centres_<i>`` (int64 (n, 2)) per layer ``i`` of ``labels``, and ``epochs``,
 ``batch_size``, ``patch``, ``out_dir``. Prints one JSON object.
@@ -161,7 +161,7 @@ def main(spec_path):
             model.set_weights([initial[f"{index}_{k}"] for k in range(count)])
         callbacks = [
             ModelCheckpoint(
-                os.path.join(spec["out_dir"], f"seed-{label}.hdf5"),
+                os.path.join(spec["out_dir"], f"original-{label}.hdf5"),
                 save_best_only=True,
                 monitor="val_accuracy",
                 verbose=0,
