@@ -147,6 +147,11 @@ class ContinuationState:
     node_local_dir: Path | None = None
     sync_s: float = DEFAULT_CHECKPOINT_SYNC_S
 
+    @property
+    def exhausted(self) -> bool:
+        """No continuation left: this job is the last one the request may use."""
+        return self.count >= self.max
+
     def to_json(self) -> dict[str, Any]:
         node_local = str(self.node_local_dir) if self.node_local_dir is not None else None
         return {"count": self.count, "max": self.max, "node_local_dir": node_local, "sync_s": self.sync_s}

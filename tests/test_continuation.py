@@ -1,4 +1,4 @@
-"""The worker's side of continuing past the time limit: the warning flag, the plan, the hand-over.
+"""The worker's side of continuing past the time limit: the warning flag, the continuation state, the hand-over.
 
 The real schedulers are exercised end to end in test_e2e.py; here a recording scheduler
 stands in so that every file the hand-over writes can be checked.
@@ -29,7 +29,7 @@ from bridge.schedulers import JobInfo, JobSpec, Scheduler, SlurmScheduler
 from bridge.spool import Spool, atomic_write_json, read_json
 from tests.support.bridge import fake_command, job_parameters_json
 from tests.support.wait import wait_until
-from worker.continuation import ContinuationPlan, TimeLimitWarning, continue_job
+from worker.continuation import TimeLimitWarning, continue_job
 from worker.job import forget_token
 
 
@@ -133,16 +133,17 @@ def parameters(spool: Path, *, scheduler: str = "recording", **continuation_sett
     return JobParameters.from_json(parameters_json(spool, scheduler=scheduler, **continuation_settings))
 
 
-def test_the_plan_reads_back_the_job_spec_and_counts() -> None:
+def test_the_parameters_read_back_the_job_spec_and_counts() -> None:
     raw = parameters_json(Path("/spool"))
-    plan = ContinuationPlan.from_parameters(JobParameters.from_json(json.loads(json.dumps(raw))))
-    assert plan.spec == JobSpec.from_json(raw["job"]["spec"])
-    assert plan.spec.command[-1] == "/spool/params/c1.json" and plan.spec.warn_seconds == 300
-    assert (plan.count, plan.maximum, plan.exhausted, plan.sync_s) == (0, 2, False, 30.0)
-    assert ContinuationPlan.from_parameters(parameters(Path("/spool"), count=2, max=2)).exhausted
+    read = JobParameters.from_json(json.loads(json.dumps(raw)))
+    assert read.job.spec == JobSpec.from_json(raw["job"]["spec"])
+    assert read.job.spec.command[-1] == "/spool/params/c1.json" and read.job.spec.warn_seconds == 300
+    state = read.continuation
+    assert (state.count, state.max, state.exhausted, state.sync_s) == (0, 2, False, 30.0)
+    assert parameters(Path("/spool"), count=2, max=2).continuation.exhausted
     without = {k: v for k, v in raw.items() if k != "continuation"}
     with pytest.raises(ValueError, match="missing field 'continuation'"):
-        JobParameters.from_json(without)  # no default plan: every file says how its job continues
+        JobParameters.from_json(without)  # no default: every file says how its job continues
 
 
 def test_the_token_leaves_the_disk_once_read(tmp_path: Path) -> None:
@@ -168,10 +169,9 @@ def test_the_hand_over_records_the_continuation_and_submits_a_held_successor(
     params_path = spool.params_path("c1")
     params = parameters(spool.root)  # as the job holds them: the token in memory
     stored = forget_token(params_path, params, keep_file=True)
-    plan = ContinuationPlan.from_parameters(params)
     run_dir = tmp_path / "runs" / "20261126-000000-c1"
     successor = continue_job(
-        plan, params_path=params_path, params=params, spool=spool, key="c1", run_dir=run_dir, stopped_at="layer 'A'"
+        params, params_path=params_path, spool=spool, key="c1", run_dir=run_dir, stopped_at="layer 'A'"
     )
     assert successor == "4242"
     # the next job reads: one more continuation, the same run directory, still no token
@@ -215,28 +215,25 @@ def test_a_busy_scheduler_is_asked_again_at_most_three_times(
     spool.job_dir("c1").mkdir(parents=True)
     params_path = spool.params_path("c1")
     stored = forget_token(params_path, parameters(spool.root, scheduler="busy"), keep_file=True)
-    plan = ContinuationPlan.from_parameters(stored)
-    assert plan.scheduler == "busy"
-    kwargs = {"params_path": params_path, "params": stored, "spool": spool, "key": "c1", "run_dir": tmp_path}
+    assert stored.job.scheduler == "busy"
+    kwargs = {"params_path": params_path, "spool": spool, "key": "c1", "run_dir": tmp_path}
     if continued:
-        assert continue_job(plan, stopped_at="here", **kwargs) == "4100"  # type: ignore[arg-type]
+        assert continue_job(stored, stopped_at="here", **kwargs) == "4100"  # type: ignore[arg-type]
         record = read_continuation(spool, "c1")
         assert record is not None and record.job_id == "4100"
     else:
         with pytest.raises(SchedulerUnavailable, match="Unexpected message"):
-            continue_job(plan, stopped_at="here", **kwargs)  # type: ignore[arg-type]
+            continue_job(stored, stopped_at="here", **kwargs)  # type: ignore[arg-type]
     assert BusyScheduler.busy == 0
 
 
 def test_outside_a_batch_job_there_is_nothing_to_continue(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("HPC_JOB_ID", raising=False)
     params = parameters(tmp_path)
-    plan = ContinuationPlan.from_parameters(params)
     with pytest.raises(RuntimeError, match="HPC_JOB_ID"):
         continue_job(
-            plan, params_path=tmp_path / "p.json", params=params, spool=Spool(tmp_path), key="c1",
-            run_dir=tmp_path, stopped_at="",
-        )  # fmt: skip
+            params, params_path=tmp_path / "p.json", spool=Spool(tmp_path), key="c1", run_dir=tmp_path, stopped_at=""
+        )
 
 
 @pytest.mark.parametrize(
@@ -253,9 +250,8 @@ def test_no_continuation_left_is_one_error_reply_saying_where_training_stopped(
 
     monkeypatch.setenv("HPC_JOB_TIME_LIMIT_S", "60")
     params = parameters(tmp_path, count=count, max=maximum)
-    plan = ContinuationPlan.from_parameters(params)
     body = stopped(
-        Stopped("layer 'A' epoch 2"), params, plan, tmp_path / "p.json",
+        Stopped("layer 'A' epoch 2"), params, tmp_path / "p.json",
         None,  # type: ignore[arg-type]  # not reached: nothing continues
         TimeLimitWarning(time.time() - 1),
     )  # fmt: skip
@@ -336,8 +332,7 @@ def test_an_unknown_way_to_continue_never_reaches_a_script(tmp_path: Path) -> No
 def test_the_way_to_continue_travels_in_the_parameter_file(tmp_path: Path) -> None:
     raw = parameters_json(tmp_path)
     raw["job"]["spec"] = slurm_spec(tmp_path, continue_by="successor").to_json()
-    plan = ContinuationPlan.from_parameters(JobParameters.from_json(json.loads(json.dumps(raw))))
-    assert plan.spec.continue_by == "successor"
+    assert JobParameters.from_json(json.loads(json.dumps(raw))).job.spec.continue_by == "successor"
     # a parameter file written before the setting existed: the job goes on as it was submitted
     older = {k: v for k, v in raw["job"]["spec"].items() if k != "continue_by"}
     assert JobSpec.from_json(older).continue_by == "requeue"
@@ -367,9 +362,8 @@ def test_a_successor_submitted_despite_an_error_is_taken_not_submitted_again(
     spool.job_dir("c1").mkdir(parents=True)
     params_path = spool.params_path("c1")
     stored = forget_token(params_path, parameters(spool.root, scheduler="timingout"), keep_file=True)
-    plan = ContinuationPlan.from_parameters(stored)
     successor = continue_job(
-        plan, params_path=params_path, params=stored, spool=spool, key="c1", run_dir=tmp_path, stopped_at="here"
+        stored, params_path=params_path, spool=spool, key="c1", run_dir=tmp_path, stopped_at="here"
     )
     assert successor == "4242" and len(RecordingScheduler.submitted) == 1  # one successor, not three
     record = read_continuation(spool, "c1")

@@ -326,7 +326,6 @@ def intake_writes(config: BridgeConfig, correlation_id: str) -> Path:
 
 
 def test_the_file_the_intake_writes_is_what_the_worker_reads(tmp_path: Path) -> None:
-    from worker.continuation import ContinuationPlan
     from worker.job import train_settings
 
     config = load_config(
@@ -371,12 +370,12 @@ def test_the_file_the_intake_writes_is_what_the_worker_reads(tmp_path: Path) -> 
     assert params.save_optimizer and params.runs_shared and params.runs_dir == tmp_path / "lab-runs"
     assert params.spool == config.spool_dir and params.run_dir is None
     # The continuation side: the batch script it was rendered with, the spec, the counts.
-    plan = ContinuationPlan.from_parameters(params)
-    assert plan.script == config.spool_dir / "jobs" / "corr-handoff" / "job.sh" and plan.script.exists()
-    assert (plan.scheduler, plan.count, plan.maximum, plan.sync_s) == ("slurm", 0, 3, 12.0)
-    assert plan.node_local_dir == tmp_path / "scratch"
-    assert plan.spec.name == "rodan-corr-handoff" and plan.spec.time_minutes == 90 and plan.spec.cpus == 2
-    assert plan.spec.command[-1] == str(path)
+    job, state = params.job, params.continuation
+    assert job.script == config.spool_dir / "jobs" / "corr-handoff" / "job.sh" and job.script.exists()
+    assert (job.scheduler, state.count, state.max, state.sync_s) == ("slurm", 0, 3, 12.0)
+    assert state.node_local_dir == tmp_path / "scratch"
+    assert job.spec.name == "rodan-corr-handoff" and job.spec.time_minutes == 90 and job.spec.cpus == 2
+    assert job.spec.command[-1] == str(path)
     # The trainer's settings: the request's, and the bridge's precision, optimizer and seed.
     from worker.trainer.settings import TrainSettings
 

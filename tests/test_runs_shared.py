@@ -228,7 +228,7 @@ def test_the_mode_reaches_the_job_and_the_training_writes_with_it(
     restore = umask(0o077)  # the batch script's
     try:
         run = RunDirectory.create(params.runs_dir, params.key, shared=params.runs_shared)
-        outcome = train_or_stop(params, None, workdir, run, TimeLimitWarning(None))
+        outcome = train_or_stop(params, workdir, run, TimeLimitWarning(None))
     finally:
         restore()
     assert isinstance(outcome, dict) and sorted(outcome) == ["Background Model", "Model 0"], outcome

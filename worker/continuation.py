@@ -25,7 +25,7 @@ import os
 import signal
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 
@@ -107,50 +107,16 @@ class TimeLimitWarning:
         return "the job's own deadline (time limit minus HPC_WARN_SECONDS)"
 
 
-@dataclass(frozen=True)
-class ContinuationPlan:
-    """How this request's job runs again: from the ``job`` and ``continuation`` parameters."""
-
-    scheduler: str
-    options: dict[str, str]
-    timeout_s: float
-    script: Path
-    spec: JobSpec
-    count: int  # continuations before this job
-    maximum: int
-    node_local_dir: Path | None
-    sync_s: float
-
-    @classmethod
-    def from_parameters(cls, params: JobParameters) -> ContinuationPlan:
-        job, cont = params.job, params.continuation
-        return cls(
-            scheduler=job.scheduler,
-            options=dict(job.options),
-            timeout_s=job.timeout_s,
-            script=job.script,
-            spec=job.spec,
-            count=cont.count,
-            maximum=cont.max,
-            node_local_dir=cont.node_local_dir,
-            sync_s=cont.sync_s,
-        )
-
-    @property
-    def exhausted(self) -> bool:
-        return self.count >= self.maximum
-
-
-def _submitted_after_all(scheduler: Scheduler, plan: ContinuationPlan, job_id: str) -> str:
+def _submitted_after_all(scheduler: Scheduler, spec: JobSpec, job_id: str) -> str:
     """The successor of job ``job_id`` that a failed-looking submission left at the scheduler, or "".
 
     Only a job of this request's name with a higher id than this one can be it (a requeue keeps
     the id: nothing is found). A lookup that fails finds nothing: the submission is tried again.
     """
-    if scheduler.continues_by(plan.spec) != "successor" or not job_id.isdigit():
+    if scheduler.continues_by(spec) != "successor" or not job_id.isdigit():
         return ""
     try:
-        newer = [i for i in scheduler.find_by_name(plan.spec.name) if i.isdigit() and int(i) > int(job_id)]
+        newer = [i for i in scheduler.find_by_name(spec.name) if i.isdigit() and int(i) > int(job_id)]
     except (SchedulerUnavailable, ValueError) as exc:
         log.warning("successor_lookup_failed", error=str(exc))
         return ""
@@ -160,10 +126,9 @@ def _submitted_after_all(scheduler: Scheduler, plan: ContinuationPlan, job_id: s
 
 
 def continue_job(
-    plan: ContinuationPlan,
+    params: JobParameters,
     *,
     params_path: Path,
-    params: JobParameters,
     spool: Spool,
     key: str,
     run_dir: Path,
@@ -181,7 +146,8 @@ def continue_job(
     job_id = os.environ.get("HPC_JOB_ID", "")
     if not job_id:
         raise RuntimeError("HPC_JOB_ID is not set: not inside a batch job rendered by hpc-bridge")
-    count = plan.count + 1
+    job = params.job
+    count = params.continuation.count + 1
     updated = replace(
         params,
         rodan=replace(params.rodan, token=""),
@@ -190,24 +156,24 @@ def continue_job(
     )
     atomic_write_json(params_path, updated.to_json())
     write_continuation(spool, key, Continuation(count=count, previous_job_id=job_id, stopped_at=stopped_at))
-    scheduler = get_scheduler(plan.scheduler, timeout_s=plan.timeout_s, options=plan.options)
+    scheduler = get_scheduler(job.scheduler, timeout_s=job.timeout_s, options=dict(job.options))
     log.info(
         "job_continuing",
         continuation=count,
-        of=plan.maximum,
-        scheduler=plan.scheduler,
-        by=scheduler.continues_by(plan.spec),
+        of=params.continuation.max,
+        scheduler=job.scheduler,
+        by=scheduler.continues_by(job.spec),
         stopped_at=stopped_at,
     )
     for attempt in range(1, CONTINUE_ATTEMPTS + 1):
         try:
-            successor = scheduler.continue_job(job_id, plan.script, plan.spec)
+            successor = scheduler.continue_job(job_id, job.script, job.spec)
             break
         except SchedulerUnavailable as exc:  # e.g. slurmctld busy: "Unexpected message received"
             if attempt < CONTINUE_ATTEMPTS:
                 log.warning("job_continue_retry", attempt=attempt, error=str(exc))
                 time.sleep(CONTINUE_RETRY_S * attempt)
-            successor = _submitted_after_all(scheduler, plan, job_id)
+            successor = _submitted_after_all(scheduler, job.spec, job_id)
             if successor:
                 break
             if attempt == CONTINUE_ATTEMPTS:

@@ -29,7 +29,7 @@ import structlog
 
 from bridge.amqp import CONNECTION_ERRORS, connect
 from bridge.errors import BridgeError, BrokerUnavailable
-from bridge.handoff import DEFAULT_CHECKPOINT_SYNC_S, JobParameters
+from bridge.handoff import JobParameters
 from bridge.logs import register_secret, tee_logs_to
 from bridge.protocol import error_reply, success_reply, without_private
 from bridge.replies import ReplyBox
@@ -38,7 +38,7 @@ from bridge.schedulers import own_job_id, scratch_variables
 from bridge.spool import Spool, atomic_write_json, read_json
 from bridge.version import package_version
 from worker import memory, onednn
-from worker.continuation import ContinuationPlan, TimeLimitWarning, continue_job
+from worker.continuation import TimeLimitWarning, continue_job
 from worker.gpumon import GpuMonitor
 
 if TYPE_CHECKING:
@@ -89,12 +89,11 @@ def run_job(params_path: Path) -> int:
         return 3
     register_secret(params.rodan.token)
     register_secret(_password(params.broker.url))
-    plan = ContinuationPlan.from_parameters(params)
     forget_token(params_path, params, keep_file=True)  # a requeued or continued job reads it again
     structlog.contextvars.bind_contextvars(
         correlation_id=params.correlation_id,
         job_id=own_job_id(os.environ),
-        continuation=plan.count,
+        continuation=params.continuation.count,
     )
     warn_on_version_mismatch(raw)
     replies = ReplyBox(Spool(params.spool), max_bytes=params.max_reply_bytes)
@@ -133,16 +132,16 @@ def run_job(params_path: Path) -> int:
     )
     started = time.monotonic()
     workdir = Path(tempfile.mkdtemp(prefix="hpc-worker-", dir=os.environ.get("TMPDIR")))
-    gpu_csv = run_dir.path / ("gpu.csv" if plan.count == 0 else f"gpu-{plan.count}.csv")
+    gpu_csv = run_dir.path / ("gpu.csv" if params.continuation.count == 0 else f"gpu-{params.continuation.count}.csv")
     try:
         with GpuMonitor(gpu_csv):
-            outcome = train_or_stop(params, plan, workdir, run_dir, warning)
+            outcome = train_or_stop(params, workdir, run_dir, warning)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         run_dir.share()
     done: dict[str, str] = {}  # what the success event says of the models
     if isinstance(outcome, Stopped):
-        body = stopped(outcome, params, plan, params_path, run_dir, warning)
+        body = stopped(outcome, params, params_path, run_dir, warning)
         if body is None:
             return 0  # the next job carries on
         ok = False
@@ -172,7 +171,6 @@ class Stopped:
 
 def train_or_stop(
     params: JobParameters,
-    plan: ContinuationPlan | None,
     workdir: Path,
     run_dir: RunDirectory,
     warning: TimeLimitWarning,
@@ -181,10 +179,9 @@ def train_or_stop(
     from worker.trainer import TrainingInterrupted
     from worker.trainer.sync import open_checkpoints
 
-    local = node_local_checkpoints(plan, params.key)
-    sync_s = plan.sync_s if plan else DEFAULT_CHECKPOINT_SYNC_S
+    local = node_local_checkpoints(params.continuation.node_local_dir, params.key)
     try:
-        with open_checkpoints(run_dir.path / "checkpoints", local, sync_s) as store:
+        with open_checkpoints(run_dir.path / "checkpoints", local, params.continuation.sync_s) as store:
             try:
                 return train(params, workdir, run_dir, checkpoints=store, stop_requested=warning)
             except TrainingInterrupted as exc:
@@ -203,27 +200,26 @@ def train_or_stop(
 def stopped(
     outcome: Stopped,
     params: JobParameters,
-    plan: ContinuationPlan | None,
     params_path: Path,
     run_dir: RunDirectory,
     warning: TimeLimitWarning,
 ) -> bytes | None:
     """Continue in a new job (returns None), or the error reply when that is not allowed or fails."""
     limit = os.environ.get("HPC_JOB_TIME_LIMIT_S", "?")
-    if plan is None or plan.maximum == 0:
+    state = params.continuation
+    if state.max == 0:
         reason = f"training was stopped by {warning.reason} at {outcome.where}, and this bridge does not continue jobs"
-    elif plan.exhausted:
+    elif state.exhausted:
         reason = (
-            f"training needs more time than {plan.maximum + 1} jobs of {limit} s each: it stopped at "
-            f"{outcome.where} after {plan.count} continuations; raise 'Maximum time (D-HH:MM)' or the "
+            f"training needs more time than {state.max + 1} jobs of {limit} s each: it stopped at "
+            f"{outcome.where} after {state.count} continuations; raise 'Maximum time (D-HH:MM)' or the "
             "bridge's HPC_MAX_CONTINUATIONS, or lower the epochs or samples per label"
         )
     else:
         try:
             continue_job(
-                plan,
+                params,
                 params_path=params_path,
-                params=params,
                 spool=Spool(params.spool),
                 key=params.key,
                 run_dir=run_dir.path,
@@ -237,9 +233,8 @@ def stopped(
     return error_reply(reason)
 
 
-def node_local_checkpoints(plan: ContinuationPlan | None, key: str) -> Path | None:
+def node_local_checkpoints(configured: Path | None, key: str) -> Path | None:
     """Fast node-local scratch for checkpoints: configured, else the scheduler's ($SLURM_TMPDIR), else $TMPDIR."""
-    configured = plan.node_local_dir if plan else None
     for base in (configured, *(os.environ.get(v) for v in (*scratch_variables(), "TMPDIR"))):
         if not base:
             continue
