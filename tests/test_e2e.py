@@ -501,6 +501,7 @@ def test_a_training_needing_more_jobs_than_allowed_gets_one_error_reply(harness,
     work = {**LONG, "Maximum number of training epochs": 30, "Maximum number of samples per label": 1500}
     corr = rodan.publish_request(page, {**work, "Maximum time (D-HH:MM)": "0-00:01"})
     harness.drive([corr], timeout=400)
+    harness.settle([corr])  # the worker replies before its job ends; the ledger is written after
     error = harness.reply(corr)["error"]
     assert "training needs more time than 2 jobs of 60 s each: it stopped at layer" in error
     assert "after 1 continuations; raise 'Maximum time (D-HH:MM)' or the bridge's HPC_MAX_CONTINUATIONS" in error
