@@ -63,11 +63,8 @@ def stop(daemon: str) -> None:
 
 
 def restore(cluster: str) -> None:
-    """``up`` (idempotent). Right after a qmaster restart, execd may not take the probe job in time:
-    one more ``up`` then finds everything running and probes again."""
+    """``up`` (idempotent; on Grid Engine it also restarts the execd that outlived its qmaster)."""
     result = dev(cluster, "up")
-    if result.returncode != 0:
-        result = dev(cluster, "up")
     assert result.returncode == 0, f"{cluster} up failed:\n{result.stdout[-1500:]}\n{result.stderr[-1500:]}"
 
 

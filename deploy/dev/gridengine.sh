@@ -13,8 +13,9 @@
 # Measured on a 2-core box (hostname `vm`): first `up` on a purged machine 11.5 s (7.4 s of it apt:
 # 12 packages, 11.2 MB downloaded, package lists already fresh; an `apt-get update` adds ~5 s), `up`
 # when everything already runs 0.6-1.5 s (mostly the probe job), `up` after `down` 4.7 s (execd's
-# first load report takes ~3 s), `up` after wiping the spool and the cell 4.9 s, `down` 1.6-10 s
-# (sge_qmaster takes 1-9 s to shut down on SIGTERM).
+# first load report takes ~3 s), `up` after `stop sge_qmaster` 5.5 s (it restarts execd too: left
+# alone, it took the probe job only after a minute or more), `up` after wiping the spool and the cell
+# 4.9 s, `down` 1.6-10 s (sge_qmaster takes 1-9 s to shut down on SIGTERM).
 #
 # What `up` builds (docs/dev-clusters.md says why each item is needed):
 #   * packages gridengine-master, gridengine-exec, gridengine-client, preseeded through debconf so
@@ -504,7 +505,16 @@ cmd_up() {
     stop_daemon sge_execd
     stop_daemon sge_qmaster
   fi
+  local qmaster_was_down=0
+  daemon_pid sge_qmaster >/dev/null || qmaster_was_down=1
   start_daemon sge_qmaster "$QMASTER_LOG"
+  # An execd that outlived its qmaster gives up registering ("abort qmaster registration due to
+  # communication errors") and takes no job until much later: restart it (running jobs keep
+  # running: their shepherds do not depend on execd).
+  if ((qmaster_was_down)) && daemon_pid sge_execd >/dev/null; then
+    say "sge_qmaster was down: restarting sge_execd so that it registers now"
+    stop_daemon sge_execd
+  fi
   WORK=$(mktemp -d /tmp/gridengine-dev.XXXXXX)
   configure_global
   configure_scheduler
