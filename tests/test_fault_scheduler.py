@@ -1,7 +1,8 @@
 """Scheduler trouble (fault suite item 4: docs/reliability.md): controller and accounting outages.
 
 Every test stops a shared daemon, so every test is ``exclusive`` (deploy/dev/test.sh runs these
-alone, after the parallel phase) and restores the daemons in its fixture's teardown
+after the parallel phase, one at a time per cluster: the Slurm tests beside the Grid Engine ones,
+each cluster's in its own ``xdist_group``) and restores the daemons in its fixture's teardown
 (``deploy/dev/slurm.sh up`` / ``gridengine.sh up``, both idempotent), even when it fails.
 
 The bridge runs as cron runs it (``hpc-bridge check``, a fresh process per pass) against the real
@@ -35,6 +36,9 @@ from tests.support.harness import Harness
 from tests.support.wait import wait_until
 
 pytestmark = [pytest.mark.exclusive, pytest.mark.broker]
+#: One outage at a time per cluster (an outage of the other cluster's daemons may run beside it).
+ON_SLURM = [pytest.mark.slurm, pytest.mark.xdist_group("slurm-outages")]
+ON_GRIDENGINE = [pytest.mark.gridengine, pytest.mark.xdist_group("gridengine-outages")]
 
 PAGE = {
     "Image": "/uploads/projects/p/resources/img/original_file",
@@ -45,8 +49,8 @@ PAGE = {
 DEV = {"slurm": REPO / "deploy/dev/slurm.sh", "gridengine": REPO / "deploy/dev/gridengine.sh"}
 #: The controller each parameter stops, on the cluster it belongs to.
 CONTROLLERS = [
-    pytest.param("slurmctld", marks=pytest.mark.slurm),
-    pytest.param("sge_qmaster", marks=pytest.mark.gridengine),
+    pytest.param("slurmctld", marks=ON_SLURM),
+    pytest.param("sge_qmaster", marks=ON_GRIDENGINE),
 ]
 #: The bridge's own reply for a job that ended without sending its models.
 NO_MODELS = ("ended without a result: COMPLETED", "the job finished without sending its models")
@@ -199,6 +203,7 @@ def test_controller_down_during_reconciliation_judges_nothing_then_the_real_outc
 # --- accounting down or lagging -------------------------------------------------------------------------
 
 
+@pytest.mark.xdist_group("slurm-outages")
 def test_accounting_down_a_finished_job_still_gets_its_outcome(slurm_bridge: Harness, rodan: Rodan) -> None:
     """slurmdbd down: submission works (slurmctld queues the records), and a job that just ended is
     judged from the live queue (MinJobAge) with its real state; accounting catches up afterwards."""
@@ -221,6 +226,7 @@ def _forget_job(bridge: Harness, corr: str) -> str:
     return ghost
 
 
+@pytest.mark.xdist_group("slurm-outages")
 def test_a_job_missing_from_accounting_is_never_judged_before_the_timeout(
     slurm_bridge: Harness, rodan: Rodan, tmp_path: Path
 ) -> None:

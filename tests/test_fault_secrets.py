@@ -1,8 +1,8 @@
 """Fault suite, secrets (item 6 of docs/reliability.md): after the whole suite, no test secret in what it left.
 
-Marked ``exclusive``, so ``deploy/dev/test.sh`` runs it alone after the parallel phase, when the
+Marked ``last``, so ``deploy/dev/test.sh`` runs it alone after every other test, when the
 other test files' leftovers are all there. It scans every file under the pytest base temporary
-directories of this run: ``HPC_TEST_SCAN_DIRS`` (deploy/dev/test.sh gives both phases their base
+directories of this run: ``HPC_TEST_SCAN_DIRS`` (deploy/dev/test.sh gives every phase its base
 temp under one directory and names it there), else every ``/tmp/pytest-of-$USER/pytest-N`` left
 (pytest keeps the newest three besides the current one): bridge logs, batch scripts (``job.sh``), scheduler output
 (``job-*.out``), job logs and run directories (``job.log``, ``settings.json``...), parameter
@@ -35,7 +35,7 @@ from tests.support.bridge import RODAN_EMAIL, RODAN_PASSWORD
 # It scans what the tests of the real services left (and requires their files): without them
 # there is nothing to scan, so it is no part of a service-free run.
 pytestmark = [
-    pytest.mark.exclusive,
+    pytest.mark.last,
     pytest.mark.broker,
     pytest.mark.slurm,
     pytest.mark.gridengine,

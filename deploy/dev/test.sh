@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it: set-up, lint, type-check, import contracts (lint-imports, pyproject.toml),
 # then pytest against the real RabbitMQ, the real single-node Slurm and Grid Engine clusters and the Rodan stand-in.
-# Extra arguments go to pytest. Tests run in HPC_TEST_WORKERS processes (pytest-xdist, default 2):
-# most of the suite's time is spent waiting on schedulers (time limits, requeues), not computing.
+# Extra arguments go to pytest (every phase).
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$repo"
@@ -14,20 +13,25 @@ echo "[test] mypy"
 echo "[test] import contracts"
 .venv/bin/lint-imports --no-cache
 echo "[test] pytest"
-# Two phases: everything that shares the services runs in parallel; the tests that stop a shared
-# service (marker "exclusive") run afterwards, alone. Both phases run; the exit status is the worst.
-# Each phase has its own base temp directory under one run directory, which the secrets scan
-# (tests/test_fault_secrets.py, exclusive) reads: everything the whole suite left, and only that.
+# Three phases. Everything that shares the services runs in parallel (HPC_TEST_WORKERS processes,
+# default 4: most tests wait on a scheduler or a broker, not the CPU; longest first, see
+# tests/conftest.py). Then the tests that stop a shared service (marker "exclusive"), one at a
+# time per cluster. Then, alone, the secrets scan (marker "last", tests/test_fault_secrets.py),
+# which reads everything the run left, and only that: each phase has its own base temporary
+# directory under one run directory. Every phase runs; the exit status is the first failure's.
 run_tmp=$(mktemp -d /tmp/hpc-bridge-tests.XXXXXX)
 export HPC_TEST_SCAN_DIRS="$run_tmp"
 status=0
-.venv/bin/python -m pytest -q -p no:cacheprovider -n "${HPC_TEST_WORKERS:-2}" --durations=20 -m "not exclusive" --dist loadgroup \
-    --basetemp "$run_tmp/parallel" "$@" || status=$?
-echo "[test] pytest, tests that stop shared services (alone)"
-.venv/bin/python -m pytest -q -p no:cacheprovider --durations=10 -m exclusive --basetemp "$run_tmp/exclusive" "$@" || {
-    code=$?
-    # 5: no test selected (e.g. extra arguments named only other tests) is not a failure.
-    [ "$code" -eq 5 ] || status=$code
+phase() { # phase NAME PYTEST-ARGS...: run pytest, keep the worst status (5, no test selected, is none)
+  local name=$1 code=0
+  shift
+  echo "[test] pytest, $name"
+  .venv/bin/python -m pytest -q -p no:cacheprovider --basetemp "$run_tmp/$name" "$@" || code=$?
+  if [ "$code" -ne 0 ] && [ "$code" -ne 5 ] && [ "$status" -eq 0 ]; then status=$code; fi
 }
+phase parallel -n "${HPC_TEST_WORKERS:-4}" --dist loadgroup --no-loadscope-reorder --durations=25 \
+    -m "not exclusive and not last" "$@"
+phase exclusive -n 2 --dist loadgroup --durations=10 -m exclusive "$@"
+phase last -m last "$@"
 if [ "$status" -eq 0 ]; then rm -rf "$run_tmp"; else echo "[test] what the tests left: $run_tmp"; fi
 exit "$status"
