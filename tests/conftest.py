@@ -65,12 +65,29 @@ def services_of(item: pytest.Item) -> set[str]:
     return used
 
 
+def expected_length(item: pytest.Item) -> int:
+    """A rank of how long a test takes, from its markers (0 longest): the sweeps and waits marked
+    ``slow``, then real trainings in scheduler jobs, other trainings, other service tests, the rest."""
+    marked = {mark.name for mark in item.iter_markers()}
+    if "slow" in marked:
+        return 0
+    if "training" in marked and marked & {"slurm", "gridengine"}:
+        return 1
+    if "training" in marked:
+        return 2
+    return 3 if marked & set(SERVICES) else 4
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         for service in sorted(services_of(item)):
             if item.get_closest_marker(service) is None:
                 item.add_marker(service)
+    # Longest first (a stable sort: file order within a rank). Under pytest-xdist
+    # (deploy/dev/test.sh, --no-loadscope-reorder) the workers take tests in this order, so no
+    # five-minute test starts near the end and keeps the run waiting for it alone.
+    items.sort(key=expected_length)
 
 
 @pytest.fixture(scope="session")

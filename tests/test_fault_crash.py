@@ -49,7 +49,7 @@ from tests.support.broker import Queues
 from tests.support.cluster import Cluster, cancel_ledger_jobs
 from tests.support.wait import wait_until
 
-pytestmark = [pytest.mark.broker]
+pytestmark = [pytest.mark.broker, pytest.mark.slow]  # a sweep of crash points
 
 REQUEST_POINTS = [p for p in POINTS if not p.endswith(("_publish", "_marker"))]
 PUBLISH_POINTS = [p for p in POINTS if p not in REQUEST_POINTS]

@@ -242,6 +242,7 @@ class PassRig:
 # --- the fuzz -----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a sweep of random messages
 @pytest.mark.timeout(max(900, 600 + FUZZ_EXAMPLES))  # the full run takes longer than the suite's 900 s
 def test_fuzzed_messages_through_the_real_pass(
     broker_url: str, standin: RodanStandin, context: Context, tmp_path: Path, quiet_logs: None

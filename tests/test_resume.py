@@ -170,6 +170,7 @@ def interrupt(tmp: Path, stop: StopAt, settings: TrainSettings = SETTINGS) -> tu
     return stopped.value, Run({}, events, store, run_dir, dict(store.final_weights))
 
 
+@pytest.mark.xdist_group("resume-reference")  # one worker trains the reference once
 def test_the_unchanged_run_trains_on_the_seeds_samples(reference: Run) -> None:
     state = reference.store.load_latest()
     assert state is not None and state.current is None and [f.label for f in state.finished] == LABELS
@@ -182,6 +183,7 @@ def test_the_unchanged_run_trains_on_the_seeds_samples(reference: Run) -> None:
     assert reference.store.saved == [(label, n, 0) for label in LABELS for n in (1, 2, 3)]
 
 
+@pytest.mark.xdist_group("resume-reference")  # one worker trains the reference once
 def test_interrupted_in_the_second_layer_resumes_as_if_never_stopped(reference: Run, tmp_path: Path) -> None:
     stopped, first = interrupt(tmp_path, StopAt(("Layer 0", 1), batch=2))
     assert str(stopped) == "layer 'Layer 0' epoch 2 batch 2 of 4"
@@ -208,6 +210,7 @@ def test_interrupted_in_the_second_layer_resumes_as_if_never_stopped(reference: 
         np.testing.assert_array_equal(latest.centres[label], expected.centres[label])
 
 
+@pytest.mark.xdist_group("resume-reference")  # one worker trains the reference once
 def test_interrupted_in_the_first_layer_resumes_in_a_fresh_process(reference: Run, tmp_path: Path) -> None:
     """The resumed run is another interpreter: nothing of the first run lives on in memory."""
     stopped, first = interrupt(tmp_path, StopAt(None, batch=2))
@@ -348,6 +351,7 @@ def test_early_stopper_is_keras_early_stopping() -> None:
         assert restored.state() == ours.state()
 
 
+@pytest.mark.xdist_group("resume-reference")  # one worker trains the reference once
 def test_the_checkpoint_directory_holds_the_newest_two_checkpoints_and_the_models(reference: Run) -> None:
     names = sorted(p.name for p in reference.store.directory.iterdir())
     assert names[2:] == ["model-Background.hdf5", "model-Layer_0.hdf5"]
