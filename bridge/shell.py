@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -112,14 +113,29 @@ def run_command(
         result = CommandResult(args, -1, _text(exc.stdout), _text(exc.stderr), time.monotonic() - started)
         log.warning("command_timeout", command=args[0], timeout_s=timeout)
         raise CommandTimeout(result, f"timed out after {timeout:g} s") from None
-    except FileNotFoundError:
-        result = CommandResult(args, -1, "", f"{args[0]}: command not found", time.monotonic() - started)
-        raise CommandNotFound(result, "not found") from None
+    except OSError as exc:
+        raise _not_started(args, exc, started) from None
     result = CommandResult(args, proc.returncode, proc.stdout, proc.stderr, time.monotonic() - started)
     log.debug("command_ran", command=args[0], rc=proc.returncode, seconds=round(result.seconds, 3))
     if check and proc.returncode != 0:
         raise CommandError(result, f"exit status {proc.returncode}")
     return result
+
+
+def _not_started(args: tuple[str, ...], exc: OSError, started: float) -> CommandError:
+    """The typed error for a command that could not start: not found, or not executable."""
+    seconds = time.monotonic() - started
+    if isinstance(exc, FileNotFoundError):
+        return CommandNotFound(CommandResult(args, -1, "", f"{args[0]}: command not found", seconds), "not found")
+    return CommandError(CommandResult(args, -1, "", f"{args[0]}: {exc.strerror or exc}", seconds), "could not start")
+
+
+def _start(args: tuple[str, ...], started: float, **popen: Any) -> subprocess.Popen[Any]:
+    """``Popen(args, **popen)``; a command that cannot start raises :func:`_not_started`'s error."""
+    try:
+        return subprocess.Popen(args, **popen)
+    except OSError as exc:
+        raise _not_started(args, exc, started) from None
 
 
 def _run_interruptible(
@@ -137,24 +153,18 @@ def _run_interruptible(
     started = time.monotonic()
     if stop():
         raise CommandInterrupted(CommandResult(args, -1, "", "", 0.0), "stopped before it started")
-    try:
-        proc = subprocess.Popen(
-            args,
-            stdin=subprocess.PIPE if input_text is not None else subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            errors="replace",
-            env=dict(env) if env is not None else None,
-            cwd=cwd,
-            start_new_session=True,  # its own process group: killing it reaches what it started
-        )
-    except FileNotFoundError:
-        result = CommandResult(args, -1, "", f"{args[0]}: command not found", time.monotonic() - started)
-        raise CommandNotFound(result, "not found") from None
-    except OSError as exc:
-        result = CommandResult(args, -1, "", f"{args[0]}: {exc.strerror or exc}", time.monotonic() - started)
-        raise CommandError(result, "could not start") from None
+    proc = _start(
+        args,
+        started,
+        stdin=subprocess.PIPE if input_text is not None else subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        errors="replace",
+        env=dict(env) if env is not None else None,
+        cwd=cwd,
+        start_new_session=True,  # its own process group: killing it reaches what it started
+    )
     deadline = started + timeout
     pending_input = input_text  # communicate() takes the input on its first call only
     while True:
@@ -236,19 +246,13 @@ def supervise(
         for sig in ignored:
             signal.signal(sig, signal.SIG_IGN)
 
-    try:
-        child = subprocess.Popen(
-            args,
-            env=dict(env) if env is not None else None,
-            cwd=cwd,
-            preexec_fn=in_child if ignored else None,  # a supervisor runs no threads
-        )
-    except FileNotFoundError:
-        result = CommandResult(args, -1, "", f"{args[0]}: command not found", time.monotonic() - started)
-        raise CommandNotFound(result, "not found") from None
-    except OSError as exc:
-        result = CommandResult(args, -1, "", f"{args[0]}: {exc.strerror or exc}", time.monotonic() - started)
-        raise CommandError(result, "could not start") from None
+    child = _start(
+        args,
+        started,
+        env=dict(env) if env is not None else None,
+        cwd=cwd,
+        preexec_fn=in_child if ignored else None,  # a supervisor runs no threads
+    )
     log.debug("command_started", command=args[0], pid=child.pid)
     deadline = started + timeout
     while True:

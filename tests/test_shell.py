@@ -17,6 +17,7 @@ from bridge.shell import (
     CommandNotFound,
     CommandTimeout,
     run_command,
+    supervise,
 )
 
 
@@ -62,6 +63,22 @@ def test_output_exit_status_and_input(stop: Callable[[], bool] | None, tmp_path:
     assert unchecked.returncode == 4
     with pytest.raises(CommandNotFound):
         run_command([str(tmp_path / "no-such-program")], timeout=10, stop=stop)
+    script = tmp_path / "not-executable"
+    script.write_text("#!/bin/sh\necho never\n")
+    with pytest.raises(CommandError) as refused:  # typed like every other failure, both ways
+        run_command([str(script)], timeout=10, stop=stop)
+    assert refused.value.reason == "could not start" and not isinstance(refused.value, CommandNotFound)
+    assert refused.value.result.stderr == f"{script}: Permission denied"
+
+
+def test_a_supervised_command_that_cannot_start_is_a_typed_error(tmp_path: Path) -> None:
+    with pytest.raises(CommandNotFound):
+        supervise([str(tmp_path / "no-such-program")], timeout=10)
+    script = tmp_path / "not-executable"
+    script.write_text("#!/bin/sh\necho never\n")
+    with pytest.raises(CommandError) as refused:
+        supervise([str(script)], timeout=10)
+    assert refused.value.reason == "could not start" and "Permission denied" in refused.value.result.stderr
 
 
 def test_stop_kills_the_whole_process_group_and_keeps_the_output(tmp_path: Path) -> None:
