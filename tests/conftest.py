@@ -37,7 +37,7 @@ from tests.support.broker import LOCAL_BROKER, Queues, Rodan
 from tests.support.cluster import Cluster
 from tests.support.tls_proxy import tls_proxy as start_tls_proxy
 
-pytest_plugins = ["pytester"]  # tests/test_service_markers.py
+pytest_plugins = ["pytester"]  # tests/test_service_markers.py, tests/test_xdist_groups.py
 
 # --- service markers ---------------------------------------------------------------------------------
 
