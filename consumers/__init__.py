@@ -158,6 +158,9 @@ def run_check(consumer: Consumer, models: list[Path], data: Path, out_dir: Path)
     out_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_VISIBLE_DEVICES": ""}
     env.pop("PYTHONPATH", None)  # the consumer's own packages only
+    # TensorFlow's own default, as Rodan runs it: not a oneDNN choice the caller's process made
+    # (the worker sets it for itself; TensorFlow 2.5.1 with it on dies of SIGFPE on some files).
+    env.pop("TF_ENABLE_ONEDNN_OPTS", None)
     done = run_command(
         [str(consumer.python()), str(CHECK_SCRIPT), str(data), str(out_dir), *map(str, models)],
         timeout=CHECK_TIMEOUT_S,

@@ -107,6 +107,19 @@ def _tripwire_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return bindir
 
 
+@pytest.fixture(autouse=True)
+def _environment_restored() -> Iterator[None]:
+    """Every test starts with the environment its worker process started with. Product code run
+    in-process may set variables for its own process and children (worker/onednn.py's
+    ``choose()`` sets ``TF_ENABLE_ONEDNN_OPTS``); left set, they would reach every later test of
+    that pytest worker and the programs it starts (a TensorFlow 2.5.1 consumer dies with it)."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def _broker_address() -> tuple[str, int]:
     url = urllib.parse.urlsplit(os.environ.get("RABBITMQ_URL") or LOCAL_BROKER)
     return url.hostname or "127.0.0.1", url.port or (5671 if url.scheme == "amqps" else 5672)
