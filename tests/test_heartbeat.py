@@ -121,16 +121,19 @@ def test_the_daemon_publishes_a_bounded_status_an_admin_can_read(env, status_que
 
         first_at = wait_until(fresh, 30, 0.2, "a status message counting the request")[0]["at"]
 
-        def oldest_dropped() -> bool:
-            kept = status_queue.peek()
-            return len(kept) == STATUS_QUEUE_LENGTH and kept[0][1]["at"] > first_at
+        messages: list[tuple[pika.BasicProperties, dict[str, Any], bytes]] = []
 
-        # More than STATUS_QUEUE_LENGTH publications: the broker dropped the oldest, kept the latest.
-        wait_until(oldest_dropped, 60, 0.5, "the status queue to drop its oldest message")
-        messages = status_queue.peek()
+        def oldest_dropped() -> bool:
+            messages[:] = status_queue.peek()
+            return len(messages) == STATUS_QUEUE_LENGTH and messages[0][1]["at"] > first_at
+
+        # More than STATUS_QUEUE_LENGTH publications: the broker dropped the oldest and kept the
+        # latest STATUS_QUEUE_LENGTH. (One reading, while the daemon goes on: a message published
+        # while the reader holds the others unacked is not counted by the queue's length limit,
+        # so a second reading could see one more.)
+        wait_until(oldest_dropped, 60, 0.5, "the status queue to keep only its latest messages")
     finally:
         assert daemon.stop() == 0
-    assert 1 <= len(messages) <= STATUS_QUEUE_LENGTH, "the status queue stays bounded"
     props, status, body = messages[-1]
     assert props.type == MESSAGE_TYPE and props.content_type == "application/json"
     assert props.delivery_mode != pika.DeliveryMode.Persistent.value, "status messages are transient"
