@@ -170,9 +170,7 @@ def test_the_hand_over_records_the_continuation_and_submits_a_held_successor(
     params = parameters(spool.root)  # as the job holds them: the token in memory
     stored = forget_token(params_path, params, keep_file=True)
     run_dir = tmp_path / "runs" / "20261126-000000-c1"
-    successor = continue_job(
-        params, params_path=params_path, spool=spool, key="c1", run_dir=run_dir, stopped_at="layer 'A'"
-    )
+    successor = continue_job(params, params_path=params_path, run_dir=run_dir, stopped_at="layer 'A'")
     assert successor == "4242"
     # the next job reads: one more continuation, the same run directory, still no token
     updated = read_json(params_path)
@@ -216,7 +214,7 @@ def test_a_busy_scheduler_is_asked_again_at_most_three_times(
     params_path = spool.params_path("c1")
     stored = forget_token(params_path, parameters(spool.root, scheduler="busy"), keep_file=True)
     assert stored.job.scheduler == "busy"
-    kwargs = {"params_path": params_path, "spool": spool, "key": "c1", "run_dir": tmp_path}
+    kwargs = {"params_path": params_path, "run_dir": tmp_path}
     if continued:
         assert continue_job(stored, stopped_at="here", **kwargs) == "4100"  # type: ignore[arg-type]
         record = read_continuation(spool, "c1")
@@ -231,9 +229,7 @@ def test_outside_a_batch_job_there_is_nothing_to_continue(tmp_path: Path, monkey
     monkeypatch.delenv("HPC_JOB_ID", raising=False)
     params = parameters(tmp_path)
     with pytest.raises(RuntimeError, match="HPC_JOB_ID"):
-        continue_job(
-            params, params_path=tmp_path / "p.json", spool=Spool(tmp_path), key="c1", run_dir=tmp_path, stopped_at=""
-        )
+        continue_job(params, params_path=tmp_path / "p.json", run_dir=tmp_path, stopped_at="")
 
 
 @pytest.mark.parametrize(
@@ -362,9 +358,7 @@ def test_a_successor_submitted_despite_an_error_is_taken_not_submitted_again(
     spool.job_dir("c1").mkdir(parents=True)
     params_path = spool.params_path("c1")
     stored = forget_token(params_path, parameters(spool.root, scheduler="timingout"), keep_file=True)
-    successor = continue_job(
-        stored, params_path=params_path, spool=spool, key="c1", run_dir=tmp_path, stopped_at="here"
-    )
+    successor = continue_job(stored, params_path=params_path, run_dir=tmp_path, stopped_at="here")
     assert successor == "4242" and len(RecordingScheduler.submitted) == 1  # one successor, not three
     record = read_continuation(spool, "c1")
     assert record is not None and (record.previous_job_id, record.job_id) == ("4100", "4242")

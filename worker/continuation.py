@@ -129,8 +129,6 @@ def continue_job(
     params: JobParameters,
     *,
     params_path: Path,
-    spool: Spool,
-    key: str,
     run_dir: Path,
     stopped_at: str,
 ) -> str:
@@ -146,7 +144,7 @@ def continue_job(
     job_id = os.environ.get("HPC_JOB_ID", "")
     if not job_id:
         raise RuntimeError("HPC_JOB_ID is not set: not inside a batch job rendered by hpc-bridge")
-    job = params.job
+    job, spool, key = params.job, Spool(params.spool), params.key
     count = params.continuation.count + 1
     updated = replace(
         params,

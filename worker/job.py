@@ -220,8 +220,6 @@ def stopped(
             continue_job(
                 params,
                 params_path=params_path,
-                spool=Spool(params.spool),
-                key=params.key,
                 run_dir=run_dir.path,
                 stopped_at=outcome.where,
             )

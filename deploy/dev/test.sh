@@ -14,15 +14,15 @@ echo "[test] import contracts"
 .venv/bin/lint-imports --no-cache
 echo "[test] pytest"
 # Three phases. Everything that shares the services runs in parallel (HPC_TEST_WORKERS processes,
-# default 4: most tests wait on a scheduler or a broker, not the CPU; longest first, see
-# tests/conftest.py). Then the tests that stop a shared service (marker "exclusive"), one at a
+# default 4: on 2 cores four overlap the tests' waits on schedulers, while the trainings keep the
+# CPUs busy; longest first, see tests/conftest.py). Then the tests that stop a shared service (marker "exclusive"), one at a
 # time per cluster. Then, alone, the secrets scan (marker "last", tests/test_fault_secrets.py),
 # which reads everything the run left, and only that: each phase has its own base temporary
 # directory under one run directory. Every phase runs; the exit status is the first failure's.
 run_tmp=$(mktemp -d /tmp/hpc-bridge-tests.XXXXXX)
 export HPC_TEST_SCAN_DIRS="$run_tmp"
 status=0
-phase() { # phase NAME PYTEST-ARGS...: run pytest, keep the worst status (5, no test selected, is none)
+phase() { # phase NAME PYTEST-ARGS...: run pytest; the first failing status is kept (5, no test selected, is none)
   local name=$1 code=0
   shift
   echo "[test] pytest, $name"
