@@ -37,6 +37,7 @@ from bridge.shell import CommandError, run_command
 
 HERE = Path(__file__).resolve().parent
 CHECK_SCRIPT = HERE / "check_model.py"
+CLASSIFY_SCRIPT = HERE / "classify_page.py"
 #: Seconds one consumer may take to check a batch of models (TensorFlow imports included).
 CHECK_TIMEOUT_S = 600.0
 
@@ -148,6 +149,39 @@ def _reports(python: Path, version: str) -> bool:
     return done.stdout.strip() == version
 
 
+def _consumer_env() -> dict[str, str]:
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("PYTHONPATH", None)  # the consumer's own packages only
+    # TensorFlow's own default, as Rodan runs it: not a oneDNN choice the caller's process made
+    # (the worker sets it for itself; TensorFlow 2.5.1 with it on dies of SIGFPE on some files).
+    env.pop("TF_ENABLE_ONEDNN_OPTS", None)
+    return env
+
+
+def classify(consumer: Consumer, page: Path, models: list[Path], window: tuple[int, int], out: Path) -> dict[str, Any]:
+    """Classify ``page`` with Paco_classifier's ``process_image_msae`` in ``consumer``, as Rodan 3.x does.
+
+    ``models`` in Rodan's port order (``Background Model``, ``Model 1``, ...); ``window`` is the
+    classifier job's patch (height, width), which Paco's padding needs to be more than 51 pixels.
+    The label image (uint8, the winning model's index per pixel) goes to ``out`` (``.npy``);
+    returns the versions that ran and the shape.
+    """
+    from consumers.paco import paco_source
+
+    env = {**_consumer_env(), "PYTHONPATH": str(paco_source())}
+    done = run_command(
+        [str(consumer.python()), str(CLASSIFY_SCRIPT), str(page), str(out), str(window[0]), str(window[1]),
+         *map(str, models)],
+        timeout=CHECK_TIMEOUT_S,
+        env=env,
+    )  # fmt: skip
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        raise RuntimeError(f"{consumer.name}: classify_page.py printed nothing: {done.stderr[-3000:]}")
+    result: dict[str, Any] = lines[-1]
+    return result
+
+
 def run_check(consumer: Consumer, models: list[Path], data: Path, out_dir: Path) -> list[dict[str, Any]]:
     """Run check_model.py for ``models`` in ``consumer``; one result dict per model, in order.
 
@@ -156,11 +190,7 @@ def run_check(consumer: Consumer, models: list[Path], data: Path, out_dir: Path)
     ``fit_error``) and ``arrays`` (the ``.npz`` of predictions and weights after the step).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_VISIBLE_DEVICES": ""}
-    env.pop("PYTHONPATH", None)  # the consumer's own packages only
-    # TensorFlow's own default, as Rodan runs it: not a oneDNN choice the caller's process made
-    # (the worker sets it for itself; TensorFlow 2.5.1 with it on dies of SIGFPE on some files).
-    env.pop("TF_ENABLE_ONEDNN_OPTS", None)
+    env = _consumer_env()
     done = run_command(
         [str(consumer.python()), str(CHECK_SCRIPT), str(data), str(out_dir), *map(str, models)],
         timeout=CHECK_TIMEOUT_S,
