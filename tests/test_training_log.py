@@ -1,0 +1,113 @@
+"""The Log File (worker/training_log.py): one story over every job of a request."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from worker.training_log import LOG_NAME, TrainingLog, best_epoch, format_seconds
+
+
+class Clock:
+    def __init__(self, start: float = 1_800_000_000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def record(label: str, epoch: int, val_accuracy: float, loss: float = 0.5) -> dict[str, object]:
+    return {
+        "label": label,
+        "epoch": epoch,
+        "loss": loss,
+        "accuracy": 0.8,
+        "val_loss": 0.4,
+        "val_accuracy": val_accuracy,
+        "seconds": 12.5,
+        "samples_per_second": 40.0,
+    }
+
+
+def test_format_seconds() -> None:
+    assert format_seconds(12.34) == "12.3 s"
+    assert format_seconds(125) == "2 min 5 s"
+    assert format_seconds(3725) == "1 h 2 min"
+    assert format_seconds(math.nan) == "?"
+
+
+def test_best_epoch_is_the_first_highest_val_accuracy() -> None:
+    records = [record("B", 1, 0.7), record("B", 2, 0.9), record("B", 3, 0.9), record("B", 4, math.nan)]
+    best = best_epoch(records)
+    assert best is not None and best["epoch"] == 2
+    assert best_epoch([record("B", 1, math.nan)]) is None
+
+
+def test_one_job_tells_pages_settings_epochs_best_and_time(tmp_path: Path) -> None:
+    clock = Clock()
+    story = TrainingLog.open(tmp_path, clock=clock)
+    story.job_started(
+        request="req-1",
+        job="61",
+        host="node7",
+        continuation=0,
+        pages=["Sample 1 (320x384)", "Sample 2 (320x384)"],
+        settings={"Batch Size": 8, "Patience": 15},
+        starting_models=["Background Model"],
+    )
+    for epoch, accuracy in enumerate([0.6, 0.8, 0.7], start=1):
+        clock.now += 10
+        story.epoch(record("Background", epoch, accuracy))
+    story.epoch(record("Layer 1", 1, 0.55))
+    clock.now += 3600
+    story.finished(["Background Model", "Model 1"])
+    text = (tmp_path / LOG_NAME).read_text()
+    assert text == story.text()
+    lines = text.splitlines()
+    assert lines[0] == "HPC training of request req-1"
+    assert "job 61 on node7: started" in text
+    assert "pages (2): Sample 1 (320x384); Sample 2 (320x384)" in text
+    assert "settings: Batch Size = 8, Patience = 15" in text
+    assert "training starts from: Background Model" in text
+    epoch_2 = "  epoch 2: loss 0.5000, accuracy 0.8000, val_loss 0.4000, val_accuracy 0.8000 (12.5 s, 40.0 samples/s)"
+    assert epoch_2 in lines
+    assert "  layer Background: best val_accuracy 0.8000 at epoch 2 of 3 run; its model is the one returned" in lines
+    assert "  layer Layer 1: best val_accuracy 0.5500 at epoch 1 of 1 run; its model is the one returned" in lines
+    assert lines[-1].endswith("finished: 2 models (Background Model, Model 1) in 1 h 0 min over 1 job")
+
+
+def test_a_continued_training_is_one_story(tmp_path: Path) -> None:
+    clock = Clock()
+    first = TrainingLog.open(tmp_path, clock=clock)
+    first.job_started(request="req-2", job="70", host="n1", continuation=0, pages=["Sample 1 (64x64)"])
+    first.epoch(record("Background", 1, 0.6))
+    first.epoch(record("Background", 2, 0.9))
+    clock.now += 600
+    first.stopped(where="layer 'Background' epoch 3 batch 2 of 5", reason="the time-limit warning")
+
+    # The next job is another process: it finds the story so far on disk.
+    clock.now += 60
+    second = TrainingLog.open(tmp_path, clock=clock)
+    second.job_started(request="req-2", job="71", host="n2", continuation=1)
+    second.epoch(record("Background", 2, 0.85))  # the epoch whose checkpoint was lost, trained again
+    second.epoch(record("Background", 3, 0.7))
+    clock.now += 600
+    second.finished(["Background Model"])
+    text = second.text()
+    lines = text.splitlines()
+    assert text.count("HPC training of request req-2") == 1
+    assert "job 70 on n1: started" in text
+    assert "job 71 on n2: continued the training (continuation 1)" in text
+    assert "job stopped by the time-limit warning at layer 'Background' epoch 3 batch 2 of 5 after 10 min 0 s" in text
+    assert text.count("  layer Background\n") + text.count("layer Background\n") >= 1
+    assert any(line.startswith("  epoch 2 (again: the job was restarted after it)") for line in lines)
+    # The repeated epoch replaced the first one's record: the best is the retrained 0.85 at epoch 2.
+    assert "  layer Background: best val_accuracy 0.8500 at epoch 2 of 3 run; its model is the one returned" in lines
+    assert lines[-1].endswith("in 21 min 0 s over 2 jobs")
+
+
+def test_a_failure_is_told(tmp_path: Path) -> None:
+    story = TrainingLog.open(tmp_path, clock=Clock())
+    story.job_started(request="r", job="1", host="h", continuation=0)
+    story.failed("reading the sample zips: 'Sample 1' is not a zip file")
+    assert story.text().splitlines()[-1].endswith("failed: reading the sample zips: 'Sample 1' is not a zip file")
