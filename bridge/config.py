@@ -28,6 +28,7 @@ from bridge.handoff import (
     DEFAULT_MAX_INPUT_BYTES,
     DEFAULT_MAX_INPUT_PIXELS,
     DEFAULT_MAX_REPLY_BYTES,
+    DEFAULT_REPLY_PART_BYTES,
     DEFAULT_RODAN_RETRIES,
     DEFAULT_RODAN_TIMEOUT_S,
     DEFAULT_SCHEDULER_TIMEOUT_S,
@@ -77,7 +78,8 @@ class BridgeConfig:
     gpu_rules: tuple[GpuRule, ...] = (GpuRule(0, "gpu:1"),)
     scheduler_args: tuple[str, ...] = ()
     worker_python: str = sys.executable
-    reply_queue_patterns: tuple[str, ...] = ("hpc-results",)  # reply_to must match one (fnmatch)
+    # reply_to must match one (fnmatch); hpc-results.*: generation 3's per-run queues (never declared here)
+    reply_queue_patterns: tuple[str, ...] = ("hpc-results", "hpc-results.*")
     reply_wait_s: float = 86400.0  # a staged reply whose queue does not exist expires after this long
     defer_limit_s: float = 1800.0  # how long a request may be deferred (Rodan or the scheduler down)
     max_pending_s: float = 3 * 86400.0  # a job PENDING longer is cancelled and answered with the reason
@@ -87,6 +89,7 @@ class BridgeConfig:
     max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES  # one input file, raw bytes on the wire
     max_input_pixels: int = DEFAULT_MAX_INPUT_PIXELS  # one input image, width x height
     max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES
+    reply_part_bytes: int = DEFAULT_REPLY_PART_BYTES  # one part of a reply sent in parts (generation 3)
     rodan_timeout_s: float = DEFAULT_RODAN_TIMEOUT_S
     rodan_retries: int = DEFAULT_RODAN_RETRIES
     scheduler_timeout_s: float = DEFAULT_SCHEDULER_TIMEOUT_S
@@ -276,8 +279,8 @@ def _build(raw: Mapping[str, str]) -> tuple[BridgeConfig, _Getter]:
             f"HPC_WORKER_PYTHON must be an absolute path, got {worker_python!r}: batch jobs start with the "
             "cluster's login PATH (Grid Engine resets it), not yours"
         )
-    default_reply: tuple[str, ...] = ("hpc-results",)
-    reply_patterns = get.parsed("HPC_REPLY_QUEUE", parse_reply_queues, default_reply, "hpc-results")
+    default_reply: tuple[str, ...] = ("hpc-results", "hpc-results.*")
+    reply_patterns = get.parsed("HPC_REPLY_QUEUE", parse_reply_queues, default_reply, ", ".join(default_reply))
     status_queue = get.text("HPC_STATUS_QUEUE", "hpc-bridge.status")
     status_queue = "" if status_queue.lower() in {"none", "off"} else status_queue
     if len(status_queue.encode("utf-8")) > 255 or any(c.isspace() or c in "*?[" for c in status_queue):
@@ -312,6 +315,7 @@ def _build(raw: Mapping[str, str]) -> tuple[BridgeConfig, _Getter]:
         max_input_bytes=get.integer("HPC_MAX_INPUT_BYTES", DEFAULT_MAX_INPUT_BYTES, minimum=1024),
         max_input_pixels=get.integer("HPC_MAX_INPUT_PIXELS", DEFAULT_MAX_INPUT_PIXELS, minimum=1024),
         max_reply_bytes=get.integer("HPC_MAX_REPLY_BYTES", DEFAULT_MAX_REPLY_BYTES, minimum=1024),
+        reply_part_bytes=get.integer("HPC_REPLY_PART_BYTES", DEFAULT_REPLY_PART_BYTES, minimum=1024),
         rodan_timeout_s=get.number("HPC_RODAN_TIMEOUT", DEFAULT_RODAN_TIMEOUT_S),
         rodan_retries=get.integer("HPC_RODAN_RETRIES", DEFAULT_RODAN_RETRIES, minimum=0),
         scheduler_timeout_s=get.number("HPC_SCHEDULER_TIMEOUT", DEFAULT_SCHEDULER_TIMEOUT_S),

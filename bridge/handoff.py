@@ -30,15 +30,17 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, NoReturn
 
-from bridge.protocol import Generation, RequestSettings
+from bridge.protocol import Generation, InputRole, RequestSettings
 from bridge.schedulers.base import JobSpec
 from bridge.spool import safe_key
 
 #: The layout of the parameter file this code writes and reads (see the module's docstring).
-PARAMETERS_VERSION = 1
+PARAMETERS_VERSION = 2  # 2: generation 3 ("rodan3"), the inputs' "roles", "reply_part_bytes"
 
 #: HPC_MAX_REPLY_BYTES: the largest reply published (RabbitMQ 3.8-3.13 refuse a larger message).
 DEFAULT_MAX_REPLY_BYTES = 128 * 1024 * 1024
+#: HPC_REPLY_PART_BYTES: the largest part of a reply sent in parts (generation 3; RabbitMQ 4.x: 16 MiB).
+DEFAULT_REPLY_PART_BYTES = 8 * 1024 * 1024
 #: HPC_RODAN_TIMEOUT (seconds per request to Rodan) and HPC_RODAN_RETRIES (after the first try).
 DEFAULT_RODAN_TIMEOUT_S = 30.0
 DEFAULT_RODAN_RETRIES = 4
@@ -178,7 +180,10 @@ class JobParameters:
     reply_to: str
     generation: Generation
     inputs: Mapping[str, str]  # Rodan's input name -> its resource
-    layers: tuple[tuple[str, str], ...]  # (input name, reply key), in training order
+    layers: tuple[tuple[str, str], ...]  # (input name, reply key), in training order; () for generation 3
+    # Every input's role (protocol.InputRole), in the order the worker takes them: generation 3's
+    # samples and starting models, whose layers are only known once the zips are opened.
+    roles: Mapping[str, InputRole] = field(default_factory=dict)
     settings: RequestSettings
     rodan: RodanAccess
     broker: BrokerAccess
@@ -189,6 +194,7 @@ class JobParameters:
     mixed_precision: str = "off"  # HPC_MIXED_PRECISION: the trainer's TrainSettings.mixed_precision
     seed: int | None = None
     max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES
+    reply_part_bytes: int | None = None  # HPC_REPLY_PART_BYTES for a reply in parts (generation 3), else None
     limits: InputLimits = field(default_factory=InputLimits)
     job: SchedulerAccess
     continuation: ContinuationState = field(default_factory=ContinuationState)
@@ -209,6 +215,7 @@ class JobParameters:
             "generation": self.generation.value,
             "inputs": dict(self.inputs),
             "layers": [[name, key] for name, key in self.layers],
+            "roles": {name: role.value for name, role in self.roles.items()},
             "settings": asdict(self.settings),
             "rodan": asdict(self.rodan),
             "broker": asdict(self.broker),
@@ -219,6 +226,7 @@ class JobParameters:
             "mixed_precision": self.mixed_precision,
             "seed": self.seed,
             "max_reply_bytes": self.max_reply_bytes,
+            "reply_part_bytes": self.reply_part_bytes,
             "limits": asdict(self.limits),
             "job": self.job.to_json(),
             "continuation": self.continuation.to_json(),
@@ -242,6 +250,7 @@ class JobParameters:
             generation=_generation(r.text("generation")),
             inputs=r.texts("inputs"),
             layers=_layers(r.value("layers")),
+            roles=_roles(r.value("roles")),
             settings=_request_settings(r.value("settings")),
             rodan=RodanAccess.from_json(r.value("rodan")),
             broker=BrokerAccess.from_json(r.value("broker")),
@@ -252,6 +261,7 @@ class JobParameters:
             mixed_precision=r.text("mixed_precision"),
             seed=r.optional_integer("seed"),
             max_reply_bytes=r.integer("max_reply_bytes"),
+            reply_part_bytes=r.optional_integer("reply_part_bytes"),
             limits=InputLimits.from_json(r.value("limits")),
             job=SchedulerAccess.from_json(r.value("job")),
             continuation=ContinuationState.from_json(r.value("continuation")),
@@ -384,6 +394,13 @@ def _layers(value: object) -> tuple[tuple[str, str], ...]:
     ):
         raise ValueError("parameter file: field 'layers' must be a list of [input name, reply key] pairs")
     return tuple((name, key) for name, key in pairs)
+
+
+def _roles(value: object) -> dict[str, InputRole]:
+    known = {role.value: role for role in InputRole}
+    if not isinstance(value, Mapping) or not all(isinstance(v, str) and v in known for v in value.values()):
+        raise ValueError(f"parameter file: field 'roles' must be an object of input name -> one of {_quoted(known)}")
+    return {str(name): known[role] for name, role in value.items()}
 
 
 def _request_settings(data: object) -> RequestSettings:

@@ -44,9 +44,18 @@ from bridge.handoff import (
     SchedulerAccess,
 )
 from bridge.ledger import Ledger, RequestRecord, RequestState
-from bridge.protocol import JobRequest, RequestSettings, bounded, error_reply, parse_request
-from bridge.replies import ReplyBox
-from bridge.rodan import RodanClient
+from bridge.protocol import (
+    Generation,
+    InputRole,
+    JobRequest,
+    RequestSettings,
+    bounded,
+    error_reply,
+    generation_hint,
+    parse_request,
+)
+from bridge.replies import ReplyBox, part_bytes_for
+from bridge.rodan import IMAGE_KINDS, InputKind, RodanClient
 from bridge.schedulers import JobSpec, Scheduler
 from bridge.spool import Spool, atomic_write, atomic_write_json
 from bridge.version import package_version, pinned_worker_python
@@ -54,6 +63,14 @@ from bridge.version import package_version, pinned_worker_python
 log = structlog.get_logger(__name__)
 
 TOKEN_CACHE_S = 600.0
+
+#: The file types (first bytes) an input of each role must have (docs/protocol.md §2.2, §2.5).
+ROLE_KINDS: dict[InputRole, tuple[InputKind, ...]] = {
+    InputRole.IMAGE: IMAGE_KINDS,
+    InputRole.SAMPLE: ("zip",),
+    InputRole.MULTI_SAMPLE: ("zip",),
+    InputRole.MODEL: ("hdf5",),
+}
 
 #: What to change when the scheduler refuses a job for good (after its own words, in the reply).
 REFUSED_HINT = (
@@ -205,6 +222,8 @@ class Intake:
             # rather than submit twice. The scheduler may be down for this lookup too: defer then.
             if record.state is RequestState.SUBMITTING and self._adopt_existing_job(record):
                 return Decision(Outcome.SUBMITTED, record=record)
+            if generation_hint(msg.body) is Generation.RODAN3:  # its error reply, if any, goes in parts
+                record.generation = Generation.RODAN3.value
             request = parse_request(
                 msg.body,
                 correlation_id=msg.correlation_id or "",
@@ -216,7 +235,7 @@ class Intake:
             if self.active.full():
                 return self._wait_for_room(record)
             token = self._get_token()
-            self._check_inputs(request.inputs)
+            self._check_inputs(request.inputs, request.roles)
             job_id = self._submit(request, record, token)
         except SchedulerRejected as exc:
             return self._reject(record, f"{self.scheduler.display_name} refused the job: {exc}. {REFUSED_HINT}")
@@ -259,23 +278,26 @@ class Intake:
         log.info("rodan_token_obtained", rodan=self.config.rodan_base_url)
         return self._token
 
-    def _check_inputs(self, inputs: Mapping[str, str]) -> None:
-        """Every input exists at Rodan, is under HPC_MAX_INPUT_BYTES and is a PNG or JPEG: a request
-        that would fail in its download is refused now, not after hours in the scheduler's queue."""
-        checked: set[str] = set()
+    def _check_inputs(self, inputs: Mapping[str, str], roles: Mapping[str, InputRole]) -> None:
+        """Every input exists at Rodan, is under HPC_MAX_INPUT_BYTES and is of its role's type (a PNG
+        or JPEG; generation 3: a sample is a zip, a starting model HDF5): a request that would fail
+        in its download is refused now, not after hours in the scheduler's queue."""
+        checked: set[tuple[str, tuple[InputKind, ...]]] = set()
         for name, resource in inputs.items():
-            if resource in checked:
+            kinds = ROLE_KINDS[roles.get(name, InputRole.IMAGE)]
+            if (resource, kinds) in checked:
                 continue
+            max_bytes = self.config.max_input_bytes
             try:
-                info = self.rodan.check_input(resource, name=name, max_bytes=self.config.max_input_bytes)
+                info = self.rodan.check_input(resource, name=name, max_bytes=max_bytes, kinds=kinds)
             except RodanAuthError:
                 if not checked and self._token:  # a cached token Rodan no longer takes: once more, fresh
                     self._token = ""
                     self._get_token()
-                    info = self.rodan.check_input(resource, name=name, max_bytes=self.config.max_input_bytes)
+                    info = self.rodan.check_input(resource, name=name, max_bytes=max_bytes, kinds=kinds)
                 else:
                     raise
-            checked.add(resource)
+            checked.add((resource, kinds))
             log.debug("input_checked", input=name, bytes=info.bytes, kind=info.kind)
 
     def _submit(self, request: JobRequest, record: RequestRecord, token: str) -> str:
@@ -328,6 +350,7 @@ class Intake:
             generation=request.generation,
             inputs=request.inputs,
             layers=tuple((layer.input_name, layer.reply_key) for layer in request.layers),
+            roles=request.roles,
             settings=request.settings,
             rodan=RodanAccess(
                 base_url=config.rodan_base_url,
@@ -343,6 +366,7 @@ class Intake:
             mixed_precision=config.mixed_precision,
             seed=config.training_seed,
             max_reply_bytes=config.max_reply_bytes,
+            reply_part_bytes=part_bytes_for(request.generation, config.reply_part_bytes),  # generation 3
             # What the worker may download and open (HPC_MAX_INPUT_BYTES, HPC_MAX_INPUT_PIXELS).
             limits=InputLimits(max_input_bytes=config.max_input_bytes, max_input_pixels=config.max_input_pixels),
             # How the job continues itself after a time-limit warning (worker/continuation.py).
@@ -396,7 +420,13 @@ class Intake:
         self.ledger.save(record)
         # A request given up on after its parameter file was written: the token must not stay on disk.
         self.spool.params_path(record.key).unlink(missing_ok=True)
-        self.replies.stage(record.correlation_id, record.reply_to, error_reply(reason), origin="bridge")
+        self.replies.stage(
+            record.correlation_id,
+            record.reply_to,
+            error_reply(reason),
+            origin="bridge",
+            part_bytes=part_bytes_for(record.generation, self.config.reply_part_bytes),
+        )
         return Decision(Outcome.REJECTED, reason, record)
 
 

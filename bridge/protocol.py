@@ -1,8 +1,9 @@
 """The wire contract with Rodan (docs/protocol.md): request parsing, validation, replies.
 
-Two generations of Rodan's job are in the field; both are accepted and each is
-answered with its own reply keys. Everything here is pure (no I/O) so it is
-cheap to test exhaustively.
+Two generations of Rodan's own job are in the field, and a third (Rodan 3.x, our job package:
+docs/design-rodan3.md); all are accepted, each recognised per request from its input names, and
+each is answered with its own reply keys. Everything here is pure (no I/O) so it is cheap to test
+exhaustively.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import base64
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -28,6 +29,21 @@ MAX_REASON_CHARS = 1000
 class Generation(str, Enum):
     OLD = "old"  # 4 named layers (Rodan's first HPC job)
     NEW = "new"  # N numbered layers
+    RODAN3 = "rodan3"  # Rodan 3.x through our job package: sample zips, starting models (§2.5)
+
+    @property
+    def replies_in_parts(self) -> bool:
+        """Whether this generation's reply goes out in parts (docs/protocol.md §3.5)."""
+        return self is Generation.RODAN3
+
+
+class InputRole(str, Enum):
+    """What an input holds, hence which first bytes it must have (checked at intake)."""
+
+    IMAGE = "image"  # the older generations' image and masks: PNG or JPEG
+    SAMPLE = "sample"  # generation 3: one Pixel.js sample zip
+    MULTI_SAMPLE = "multi-sample"  # generation 3: a zip of sample folders
+    MODEL = "model"  # generation 3: a starting model, Keras HDF5
 
 
 IMAGE = "Image"
@@ -44,6 +60,14 @@ OLD_LAYERS: dict[str, str] = {
     "Text": "Text Model",
 }
 OLD_ONLY_INPUTS = frozenset(OLD_LAYERS) - {BACKGROUND}
+
+# Generation 3 (Rodan 3.x, FastPacoTrainer's ports): every input optional, at least one sample.
+SAMPLE_PREFIX = "Sample "
+MAX_SAMPLES = 20
+MULTI_SAMPLE_ZIP = "Multi-Sample Zip"
+BACKGROUND_MODEL = "Background Model"
+MODEL_PREFIX = "Model "
+MAX_STARTING_MODELS = 9
 
 
 @dataclass(frozen=True)
@@ -92,23 +116,60 @@ SETTING_FIELDS: dict[str, tuple[str, dict[str, Any]]] = {
     "Patience": ("patience", {"type": "integer", "minimum": 1, "maximum": 1000}),
 }
 
-REQUEST_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["inputs"],
-    "properties": {
-        "inputs": {
-            "type": "object",
-            "maxProperties": 32,
-            "propertyNames": {"maxLength": 64},
-            "additionalProperties": {"type": "string", "minLength": 1, "maxLength": 4096},
-        },
-        "settings": {
-            "type": "object",
-            "properties": {name: schema for name, (_, schema) in SETTING_FIELDS.items()},
-        },
-    },
+# Generation 3's settings: FastPacoTrainer's names and bounds (note 'Batch Size', capital S) and the
+# cluster's. RODAN3_SETTINGS is the only copy of its defaults (docs/protocol.md §2.5).
+RODAN3_SETTING_FIELDS: dict[str, tuple[str, dict[str, Any]]] = {
+    "Batch Size": ("batch_size", {"type": "integer", "minimum": 1, "maximum": 64}),
+    "Maximum number of training epochs": ("epochs", {"type": "integer", "minimum": 1, "maximum": 100000}),
+    "Maximum number of samples per label": (
+        "max_samples_per_label",
+        {"type": "integer", "minimum": 100, "maximum": 100_000_000},
+    ),
+    "Patience": ("patience", {"type": "integer", "minimum": 1, "maximum": 1000}),
+    "Patch height": ("patch_height", {"type": "integer", "minimum": 32, "maximum": 8192, "multipleOf": 4}),
+    "Patch width": ("patch_width", {"type": "integer", "minimum": 32, "maximum": 8192, "multipleOf": 4}),
+    "Maximum time (D-HH:MM)": ("max_time", {"type": "string", "maxLength": 16}),
+    "Maximum memory (MB)": ("max_memory_mb", {"type": "integer", "minimum": 1024, "maximum": 64_000_000}),
+    "CPUs": ("cpus", {"type": "integer", "minimum": 1, "maximum": 4096}),
+    "Slurm Notification Email": ("notification_email", {"type": "string", "maxLength": 254}),
 }
+RODAN3_SETTINGS = RequestSettings(
+    epochs=50,
+    max_samples_per_label=1000,
+    patch_height=256,
+    patch_width=256,
+    max_time="1-00:00",
+    max_memory_mb=16000,
+    cpus=4,
+    notification_email="",
+    batch_size=8,
+    patience=15,
+)
+
+
+def _request_schema(setting_fields: Mapping[str, tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "required": ["inputs"],
+        "properties": {
+            "inputs": {
+                "type": "object",
+                "maxProperties": 32,
+                "propertyNames": {"maxLength": 64},
+                "additionalProperties": {"type": "string", "minLength": 1, "maxLength": 4096},
+            },
+            "settings": {
+                "type": "object",
+                "properties": {name: schema for name, (_, schema) in setting_fields.items()},
+            },
+        },
+    }
+
+
+REQUEST_SCHEMA: dict[str, Any] = _request_schema(SETTING_FIELDS)
+RODAN3_REQUEST_SCHEMA: dict[str, Any] = _request_schema(RODAN3_SETTING_FIELDS)
 _validator = jsonschema.Draft202012Validator(REQUEST_SCHEMA)
+_rodan3_validator = jsonschema.Draft202012Validator(RODAN3_REQUEST_SCHEMA)
 
 # Matched with fullmatch: a '$' would also accept a trailing newline (into a batch-script directive).
 _DURATION = re.compile(r"([0-9]{1,3})-([0-9]{2}):([0-9]{2})")
@@ -126,12 +187,18 @@ class LayerSpec:
 
 @dataclass(frozen=True)
 class JobRequest:
+    """A valid request. ``roles``: every input's role, in the order the worker takes them
+    (generation 3: samples by number, the Multi-Sample Zip, then the starting models by number).
+    ``layers``: the models to train, for the older generations; empty for generation 3, whose
+    layers are only known once the worker has opened the sample zips."""
+
     correlation_id: str
     reply_to: str
     generation: Generation
     inputs: dict[str, str]
     settings: RequestSettings
     layers: tuple[LayerSpec, ...] = field(default_factory=tuple)
+    roles: dict[str, InputRole] = field(default_factory=dict)
 
     @property
     def reply_keys(self) -> list[str]:
@@ -202,14 +269,24 @@ def parse_request(body: bytes, *, correlation_id: str, reply_to: str, rodan_orig
 
 def _parse_request(body: bytes, *, correlation_id: str, reply_to: str, rodan_origin: str) -> JobRequest:
     data = decode_body(body)
-    errors = sorted(_validator.iter_errors(data), key=lambda e: list(e.absolute_path))
+    rodan3 = _names_rodan3(data.get("inputs"))
+    validator = _rodan3_validator if rodan3 else _validator
+    errors = sorted(validator.iter_errors(data), key=lambda e: list(e.absolute_path))
     if errors:
         raise InvalidRequest("invalid request: " + "; ".join(_describe(e) for e in errors[:5]))
     inputs: dict[str, str] = dict(data["inputs"])
-    generation, layers = _identify_layers(inputs)
+    layers: list[LayerSpec] = []
+    if rodan3:
+        generation, roles = Generation.RODAN3, _identify_rodan3(inputs)
+    else:
+        generation, layers = _identify_layers(inputs)
+        roles = {name: InputRole.IMAGE for name in inputs}
     for name, value in inputs.items():
         check_resource(name, value, rodan_origin)
-    settings = _settings(data.get("settings") or {})
+    if rodan3:
+        settings = _settings(data.get("settings") or {}, RODAN3_SETTING_FIELDS, RODAN3_SETTINGS)
+    else:
+        settings = _settings(data.get("settings") or {})
     return JobRequest(
         correlation_id=correlation_id,
         reply_to=reply_to,
@@ -217,7 +294,88 @@ def _parse_request(body: bytes, *, correlation_id: str, reply_to: str, rodan_ori
         inputs=inputs,
         settings=settings,
         layers=tuple(layers),
+        roles=roles,
     )
+
+
+def generation_hint(body: bytes) -> Generation | None:
+    """The generation a request body's input names point at, without judging it (None when the
+    body is not even an object of inputs): which shape an error reply to it takes. Never raises."""
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("inputs"), dict):
+        return None
+    names = data["inputs"]
+    if _names_rodan3(names):
+        return Generation.RODAN3
+    if any(isinstance(n, str) and n.startswith(NEW_LAYER_PREFIX) for n in names):
+        return Generation.NEW
+    return Generation.OLD
+
+
+def _names_rodan3(inputs: object) -> bool:
+    """Generation 3 is recognised by any input named ``Sample ...`` or ``Multi-Sample Zip``, or by
+    inputs that are all starting models (which then lack a sample: refused as generation 3)."""
+    if not isinstance(inputs, dict) or not inputs:
+        return False
+    names = [n for n in inputs if isinstance(n, str)]
+    if any(n.startswith(SAMPLE_PREFIX) or n == MULTI_SAMPLE_ZIP for n in names):
+        return True
+    return len(names) == len(inputs) and all(n == BACKGROUND_MODEL or n.startswith(MODEL_PREFIX) for n in names)
+
+
+def _number(name: str, prefix: str, highest: int) -> int | None:
+    """N of ``<prefix>N`` with 1 <= N <= highest in plain ASCII digits without leading zeros, else None."""
+    if not name.startswith(prefix):
+        return None
+    suffix = name[len(prefix) :]
+    if not (suffix.isascii() and suffix.isdigit()) or str(int(suffix)) != suffix:
+        return None
+    number = int(suffix)
+    return number if 1 <= number <= highest else None
+
+
+def _identify_rodan3(inputs: Mapping[str, str]) -> dict[str, InputRole]:
+    """Generation 3's inputs, each with its role, in the worker's order; InvalidRequest otherwise."""
+    names = set(inputs)
+    older = sorted(names & ({IMAGE, BACKGROUND, SELECTED_REGIONS} | OLD_ONLY_INPUTS))
+    older += sorted(n for n in names if n.startswith(NEW_LAYER_PREFIX))
+    if older:
+        raise InvalidRequest(
+            f"request mixes Rodan job generations: {older} (Rodan 2 job) with sample zips (Rodan 3 job: "
+            f"'{SAMPLE_PREFIX}1'...'{SAMPLE_PREFIX}{MAX_SAMPLES}', {MULTI_SAMPLE_ZIP!r})"
+        )
+    samples: dict[int, str] = {}
+    models: dict[int, str] = {}
+    unknown: list[str] = []
+    for name in names:
+        if name in (MULTI_SAMPLE_ZIP, BACKGROUND_MODEL):
+            continue
+        sample = _number(name, SAMPLE_PREFIX, MAX_SAMPLES)
+        model = _number(name, MODEL_PREFIX, MAX_STARTING_MODELS)
+        if sample is not None:
+            samples[sample] = name
+        elif model is not None:
+            models[model] = name
+        else:
+            unknown.append(name)
+    if unknown:
+        raise InvalidRequest(
+            f"unknown inputs: {sorted(unknown)}; a Rodan 3 request takes '{SAMPLE_PREFIX}1'...'{SAMPLE_PREFIX}"
+            f"{MAX_SAMPLES}', {MULTI_SAMPLE_ZIP!r}, {BACKGROUND_MODEL!r} and '{MODEL_PREFIX}1'...'{MODEL_PREFIX}"
+            f"{MAX_STARTING_MODELS}' (numbers in plain digits, without leading zeros)"
+        )
+    roles = {samples[i]: InputRole.SAMPLE for i in sorted(samples)}
+    if MULTI_SAMPLE_ZIP in names:
+        roles[MULTI_SAMPLE_ZIP] = InputRole.MULTI_SAMPLE
+    if not roles:  # starting models only
+        raise InvalidRequest("a Rodan 3 request needs at least one 'Sample N' or 'Multi-Sample Zip'")
+    if BACKGROUND_MODEL in names:
+        roles[BACKGROUND_MODEL] = InputRole.MODEL
+    roles.update({models[i]: InputRole.MODEL for i in sorted(models)})
+    return roles
 
 
 def _describe(error: jsonschema.ValidationError) -> str:
@@ -323,13 +481,17 @@ def _origin_of(url: str) -> str:
     return _origin(parts.scheme, parts.hostname or "", parts.port)
 
 
-def _settings(raw: Mapping[str, Any]) -> RequestSettings:
+def _settings(
+    raw: Mapping[str, Any],
+    setting_fields: Mapping[str, tuple[str, dict[str, Any]]] = SETTING_FIELDS,
+    defaults: RequestSettings | None = None,
+) -> RequestSettings:
     values: dict[str, Any] = {}
-    for name, (attr, schema) in SETTING_FIELDS.items():
+    for name, (attr, schema) in setting_fields.items():
         if name in raw and raw[name] is not None:
             # JSON Schema counts 15.0 as an integer; hand the trainer a real int.
             values[attr] = int(raw[name]) if schema["type"] == "integer" else raw[name]
-    settings = RequestSettings(**values)
+    settings = RequestSettings(**values) if defaults is None else replace(defaults, **values)
     settings.max_time_minutes  # noqa: B018 - validates the format, raising InvalidRequest
     email = settings.notification_email
     if email and not _EMAIL.fullmatch(email):

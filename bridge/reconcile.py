@@ -24,7 +24,7 @@ from bridge.continuation_record import read_continuation
 from bridge.errors import SchedulerUnavailable
 from bridge.ledger import Ledger, RequestRecord, RequestState
 from bridge.protocol import error_reply
-from bridge.replies import ReplyBox, StagedReply
+from bridge.replies import ReplyBox, StagedReply, part_bytes_for
 from bridge.schedulers import JobInfo, JobState, Scheduler
 from bridge.spool import Spool
 
@@ -68,6 +68,10 @@ class Reconciler:
         self.ledger = ledger
         self.scheduler = scheduler
         self.replies = replies
+
+    def _parts(self, record: RequestRecord) -> int | None:
+        """The part size of an error reply to ``record`` (generation 3 is answered in parts), or None."""
+        return part_bytes_for(record.generation, self.config.reply_part_bytes)
 
     def mark_replied(self) -> int:
         """Mark requests whose reply marker exists as replied. Cheap: files only."""
@@ -139,7 +143,13 @@ class Reconciler:
                     reason = self.config.public(explain(record, info, self.scheduler.display_name))
                     log.error("job_ended_without_reply", state=info.state.value, reason=reason)
                     record.reason = reason
-                    self.replies.stage(record.correlation_id, record.reply_to, error_reply(reason), origin="reconcile")
+                    self.replies.stage(
+                        record.correlation_id,
+                        record.reply_to,
+                        error_reply(reason),
+                        origin="reconcile",
+                        part_bytes=self._parts(record),
+                    )
                     judged += 1
                 self.ledger.save(record)
         log.info("reconcile_done", watched=len(watched), judged=judged)
@@ -163,7 +173,13 @@ class Reconciler:
         )
         log.error("job_pending_too_long", waited_s=int(waited), scheduler_reason=said, reason=reason)
         record.reason = reason
-        self.replies.stage(record.correlation_id, record.reply_to, error_reply(reason), origin="reconcile")
+        self.replies.stage(
+            record.correlation_id,
+            record.reply_to,
+            error_reply(reason),
+            origin="reconcile",
+            part_bytes=self._parts(record),
+        )
         return 1
 
     def _follow_continuation(self, record: RequestRecord) -> None:
@@ -264,7 +280,13 @@ class Reconciler:
                 record.outcome = "error"
                 self.ledger.save(record)
                 self.spool.params_path(record.key).unlink(missing_ok=True)  # it may hold a token
-                self.replies.stage(record.correlation_id, record.reply_to, error_reply(reason), origin="reconcile")
+                self.replies.stage(
+                    record.correlation_id,
+                    record.reply_to,
+                    error_reply(reason),
+                    origin="reconcile",
+                    part_bytes=self._parts(record),
+                )
                 judged += 1
         return judged
 
@@ -287,7 +309,13 @@ class Reconciler:
         log.error("job_vanished", reason=reason)
         record.reason = reason
         self.ledger.save(record)
-        self.replies.stage(record.correlation_id, record.reply_to, error_reply(reason), origin="reconcile")
+        self.replies.stage(
+            record.correlation_id,
+            record.reply_to,
+            error_reply(reason),
+            origin="reconcile",
+            part_bytes=self._parts(record),
+        )
         return 1
 
 

@@ -16,7 +16,16 @@ Exactly one final reply per request is the contract. The protocol here:
    (``may_publish``), so the two never publish the same reply.
 
 So a reply that could not be published (broker down) is never lost, and a
-request with a marker is never answered again. One exception bounds the outbox: a reply
+request with a marker is never answered again.
+
+A reply staged with ``part_bytes`` (generation 3: docs/protocol.md §3.5) is staged whole, once, and
+published as consecutive parts of at most that many bytes, each its own persistent message with the
+headers ``x-hpc-part`` (1-based) and ``x-hpc-parts``; the marker is written only once every part was
+confirmed. A republish sends every part again (the receiver keeps parts by index, so a part that
+comes twice is harmless) and never with an expiry: its queue is the run's own, where no other task
+nacks it. The part size is the staged entry's (its metadata), so every publish cuts the same parts.
+
+One exception bounds the outbox: a reply
 whose queue does not exist (Rodan's task that declared it is gone) waits ``wait_s``
 (``HPC_REPLY_WAIT``) from its staging, then expires: its marker says ``expired``. The worker and the bridge both
 use this class; it needs the spool to be on storage both can reach.
@@ -38,15 +47,34 @@ from bridge.amqp import CONNECTION_ERRORS, publish
 from bridge.errors import BrokerUnavailable, NoRoute, PermanentError
 from bridge.faults import fault_point
 from bridge.handoff import DEFAULT_MAX_REPLY_BYTES
-from bridge.protocol import error_reply, reply_is_error
+from bridge.protocol import Generation, error_reply, reply_is_error
 from bridge.spool import Spool, atomic_write, atomic_write_json, read_json, safe_key
 
 log = structlog.get_logger(__name__)
+
+#: The headers of a reply published in parts (docs/protocol.md §3.5): 1-based index, and count.
+PART_HEADER = "x-hpc-part"
+PARTS_HEADER = "x-hpc-parts"
 
 #: The expiry of a reply published again after a publish whose outcome is unknown (its process
 #: died between publishing and writing the marker): long enough for a waiting Rodan task to take
 #: it if the first one never arrived, short enough to bound a duplicate's nack loop at Rodan.
 UNCERTAIN_REPLY_TTL_MS = 15 * 60 * 1000
+
+
+def split_parts(body: bytes, part_bytes: int) -> list[bytes]:
+    """``body`` cut into consecutive parts of at most ``part_bytes`` (one empty part for an empty body)."""
+    return [body[start : start + part_bytes] for start in range(0, len(body), part_bytes)] or [body]
+
+
+def part_bytes_for(generation: str | Generation, part_bytes: int) -> int | None:
+    """``part_bytes`` when a request of ``generation`` (a ``Generation`` or the ledger's text; "" when
+    unknown) is answered in parts, else None (one message)."""
+    try:
+        in_parts = Generation(generation).replies_in_parts
+    except ValueError:
+        in_parts = False
+    return part_bytes if in_parts else None
 
 
 @contextmanager
@@ -76,6 +104,7 @@ class StagedReply:
     meta_path: Path
     origin: str
     staged_at: float = 0.0
+    part_bytes: int | None = None  # published in parts of at most this many bytes; None: one message
 
 
 class ReplyBox:
@@ -94,8 +123,16 @@ class ReplyBox:
         data = read_json(path)
         return data if isinstance(data, dict) else None
 
-    def stage(self, correlation_id: str, reply_to: str, body: bytes, *, origin: str) -> StagedReply:
-        """Keep the reply on disk until it is confirmed. An oversized reply becomes an error reply."""
+    def stage(
+        self, correlation_id: str, reply_to: str, body: bytes, *, origin: str, part_bytes: int | None = None
+    ) -> StagedReply:
+        """Keep the reply on disk until it is confirmed. An oversized reply becomes an error reply.
+
+        ``part_bytes``: publish it in parts of at most this many bytes (a request whose generation
+        wants parts: ``JobParameters.reply_part_bytes``, or :func:`part_bytes_for` from the ledger's
+        generation); None: one message, as Rodan's own jobs expect."""
+        if part_bytes is not None and part_bytes < 1:
+            raise ValueError(f"part_bytes must be positive, got {part_bytes}")
         if len(body) > self.max_bytes:
             reason = (
                 f"the reply is {len(body)} bytes, larger than the broker's message limit of "
@@ -116,10 +153,11 @@ class ReplyBox:
             "bytes": len(body),
             "outcome": "error" if reply_is_error(body) else "ok",
             "staged_at": staged_at,
+            "part_bytes": part_bytes,
         }
         atomic_write_json(meta_path, meta)
-        log.info("reply_staged", bytes=len(body), origin=origin, outcome=meta["outcome"])
-        return StagedReply(key, correlation_id, reply_to, body_path, meta_path, origin, staged_at)
+        log.info("reply_staged", bytes=len(body), origin=origin, outcome=meta["outcome"], part_bytes=part_bytes)
+        return StagedReply(key, correlation_id, reply_to, body_path, meta_path, origin, staged_at, part_bytes)
 
     def staged(self) -> list[StagedReply]:
         entries = []
@@ -137,6 +175,9 @@ class ReplyBox:
     def _read_entry(meta_path: Path) -> StagedReply | None:
         try:
             meta = read_json(meta_path)
+            part_bytes = meta.get("part_bytes")  # absent in an entry staged before replies had parts
+            if part_bytes is not None and (not isinstance(part_bytes, int) or part_bytes < 1):
+                raise ValueError(f"part_bytes {part_bytes!r}")
             return StagedReply(
                 meta_path.stem,
                 str(meta["correlation_id"]),
@@ -145,6 +186,7 @@ class ReplyBox:
                 meta_path,
                 str(meta.get("origin", "")),
                 float(meta.get("staged_at", 0.0)),
+                part_bytes,
             )
         except (OSError, ValueError, KeyError, TypeError):
             return None
@@ -165,19 +207,37 @@ class ReplyBox:
         # A publish under way when its process died may have reached the broker before the marker
         # was written: it goes out again (Rodan must not wait forever), but with an expiry, so that
         # if it is a duplicate it leaves the reply queue after UNCERTAIN_REPLY_TTL_MS.
+        # Parts go to a queue of the run's own, where no other task nacks them: never an expiry.
         sending = marker.with_suffix(".sending")
-        expiration = UNCERTAIN_REPLY_TTL_MS if sending.exists() else None
+        expiration = UNCERTAIN_REPLY_TTL_MS if sending.exists() and entry.part_bytes is None else None
         atomic_write(sending, b"")
+        parts = 1
 
         def send(on: BlockingChannel, data: bytes) -> None:
-            publish(
-                on,
-                entry.reply_to,
-                data,
-                correlation_id=entry.correlation_id,
-                persistent=True,
-                expiration_ms=expiration,
-            )
+            nonlocal parts
+            if entry.part_bytes is None:
+                publish(
+                    on,
+                    entry.reply_to,
+                    data,
+                    correlation_id=entry.correlation_id,
+                    persistent=True,
+                    expiration_ms=expiration,
+                )
+                return
+            # Every part is at most the first's size: a broker that refuses one for its size
+            # refuses the first, before any other went out.
+            pieces = split_parts(data, entry.part_bytes)
+            parts = len(pieces)
+            for index, piece in enumerate(pieces, start=1):
+                publish(
+                    on,
+                    entry.reply_to,
+                    piece,
+                    correlation_id=entry.correlation_id,
+                    headers={PART_HEADER: index, PARTS_HEADER: parts},
+                    persistent=True,
+                )
 
         try:
             try:
@@ -195,7 +255,7 @@ class ReplyBox:
                 log.error("reply_refused", error=str(exc), bytes=len(body))
                 body = error_reply(f"the models could not be delivered: {exc}")
                 outcome = "error"
-                self.stage(entry.correlation_id, entry.reply_to, body, origin=entry.origin)
+                self.stage(entry.correlation_id, entry.reply_to, body, origin=entry.origin, part_bytes=entry.part_bytes)
                 with _spare_channel(channel) as spare:
                     send(spare, body)
         except PermanentError:
@@ -210,11 +270,20 @@ class ReplyBox:
                 "bytes": len(body),
                 "origin": entry.origin,
                 "published_at": time.time(),
+                "parts": parts if entry.part_bytes is not None else None,
             },
         )
         fault_point("after_marker")
         self._drop(entry)
-        log.info("reply_published", outcome=outcome, bytes=len(body), origin=entry.origin, expiration_ms=expiration)
+        in_parts = {"parts": parts} if entry.part_bytes is not None else {}
+        log.info(
+            "reply_published",
+            outcome=outcome,
+            bytes=len(body),
+            origin=entry.origin,
+            expiration_ms=expiration,
+            **in_parts,
+        )
         return True
 
     def flush(

@@ -14,6 +14,7 @@ compressed one can fill the disk.
 
 from __future__ import annotations
 
+import http.client
 import re
 import time
 from collections.abc import Callable
@@ -44,12 +45,21 @@ MAX_REDIRECTS = 5
 SNIFF_BYTES = 16
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 JPEG_SIGNATURE = b"\xff\xd8\xff"
+ZIP_SIGNATURE = b"PK\x03\x04"  # a zip's first local file header (an empty zip starts PK\x05\x06: refused)
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"  # a Keras HDF5 model (no user block)
 #: Besides 5xx, the answers that say "later" rather than "no".
 RETRY_LATER_STATUSES = frozenset({408, 429})
 
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
-InputKind = Literal["png", "jpeg"]
+InputKind = Literal["png", "jpeg", "zip", "hdf5"]
+#: What the older generations' inputs must be; generation 3 asks for "zip" or "hdf5".
+IMAGE_KINDS: tuple[InputKind, ...] = ("png", "jpeg")
+_KIND_NAMES: dict[tuple[InputKind, ...], str] = {
+    IMAGE_KINDS: "a PNG or JPEG file",
+    ("zip",): "a zip file (a sample as Pixel.js writes it)",
+    ("hdf5",): "an HDF5 file (a Keras model)",
+}
 
 
 @dataclass(frozen=True)
@@ -102,6 +112,9 @@ class RodanClient:
         self._sleep = sleep  # between tries (tests record the waits instead of sleeping)
         self.session = requests.Session()
         self.session.headers["User-Agent"] = "hpc-bridge/0.1"
+        # Rodan's API answers ``Accept: */*`` with its browsable API's HTML, refusals included: ask
+        # for the JSON its ``detail`` is read from.
+        self.session.headers["Accept"] = "application/json"
         register_secret(password)
         register_secret(token)
 
@@ -133,15 +146,17 @@ class RodanClient:
     def sends_token_to(self, url: str) -> bool:
         return _same_origin(url, self._origin)
 
-    def check_input(self, resource: str, *, name: str, max_bytes: int) -> InputInfo:
+    def check_input(
+        self, resource: str, *, name: str, max_bytes: int, kinds: tuple[InputKind, ...] = IMAGE_KINDS
+    ) -> InputInfo:
         """Check, before any job waits for it, that input ``name`` can be downloaded and trained on.
 
         One ranged GET (``Range: bytes=0-15``, with the token) answers all three questions: the file
         exists, its size (``Content-Range``, or ``Content-Length`` when Rodan ignores the range;
-        a HEAD when neither says) is at most ``max_bytes``, and it starts with the signature of a
-        PNG or a JPEG. PermanentError when it does not (404/410, too large, another type, not on
-        Rodan, 401/403 as RodanAuthError); TransientError, after the client's retries, when Rodan
-        is unreachable or answers 5xx, 408 or 429.
+        a HEAD when neither says) is at most ``max_bytes``, and it starts with the signature of one
+        of ``kinds`` (a PNG or a JPEG unless told otherwise). PermanentError when it does not
+        (404/410, too large, another type, not on Rodan, 401/403 as RodanAuthError); TransientError,
+        after the client's retries, when Rodan is unreachable or answers 5xx, 408 or 429.
         """
         url = self._rodan_url(resource)
         if url is None:
@@ -151,7 +166,7 @@ class RodanClient:
             )
 
         def attempt() -> InputInfo:
-            return self._check_once(url, name, max_bytes)
+            return self._check_once(url, name, max_bytes, kinds)
 
         return self._retrying(attempt, "input_check")
 
@@ -212,7 +227,7 @@ class RodanClient:
             raise TransientError(f"{what} failed: {type(exc).__name__}") from exc
         return DownloadResult(dest, received, time.monotonic() - started)
 
-    def _check_once(self, url: str, name: str, max_bytes: int) -> InputInfo:
+    def _check_once(self, url: str, name: str, max_bytes: int, kinds: tuple[InputKind, ...]) -> InputInfo:
         what = f"checking input {name!r} ({_short(url)})"
         headers = {"Range": f"bytes=0-{SNIFF_BYTES - 1}"}
         try:
@@ -221,7 +236,7 @@ class RodanClient:
                 if status in (404, 410):
                     raise PermanentError(f"input {name!r}: Rodan has no file at {_path(url)} ({status})")
                 if status == 416:  # not even byte 0: the file is empty
-                    raise PermanentError(f"input {name!r} is not a PNG or JPEG file (it is empty)")
+                    raise PermanentError(wrong_kind(name, b"", kinds))
                 _raise_for_status(response, what, ok=(200, 206))
                 _refuse_encoded(response, what)
                 if status == 206:
@@ -240,9 +255,8 @@ class RodanClient:
                 f"input {name!r} is {size} bytes, larger than the limit of {max_bytes} bytes (HPC_MAX_INPUT_BYTES)"
             )
         kind = sniff(head)
-        if kind is None:
-            start = f"it starts with {head.hex()}" if head else "it is empty"
-            raise PermanentError(f"input {name!r} is not a PNG or JPEG file ({start})")
+        if kind is None or kind not in kinds:
+            raise PermanentError(wrong_kind(name, head, kinds))
         return InputInfo(url, size, kind)
 
     def _head_size(self, url: str, what: str) -> int | None:
@@ -296,7 +310,7 @@ class RodanClient:
         """
         sent = {**self._auth(), "Accept-Encoding": "identity", **(headers or {})}
         for _ in range(MAX_REDIRECTS + 1):
-            response = self.session.request(
+            response = self._request(
                 method, url, headers=sent, stream=True, timeout=self.timeout_s, allow_redirects=False
             )
             if not response.is_redirect:
@@ -312,15 +326,28 @@ class RodanClient:
             url = target
         raise PermanentError(f"{what} refused: more than {MAX_REDIRECTS} redirects")
 
+    def _request(self, method: str, url: str, **kwargs: object) -> requests.Response:
+        """``session.request``, sent once more at once when the kept-alive connection it went out on
+        turns out closed before any answer (``RemoteDisconnected``): Rodan 3.1.0 under runserver
+        closes every connection after its answer without a ``Connection: close``, so the next
+        request can meet that close. Nothing was answered, so nothing was done; curl and browsers
+        send such a request again too. Any other failure is left to the caller's retries."""
+        try:
+            return self.session.request(method, url, **kwargs)  # type: ignore[arg-type]
+        except requests.ConnectionError as exc:
+            if not _closed_before_answer(exc):
+                raise
+        return self.session.request(method, url, **kwargs)  # type: ignore[arg-type]
+
     def _send(self, method: str, path: str, *, auth: bool = False, **kwargs: object) -> requests.Response:
         headers = self._auth() if auth else {}
         try:
-            response = self.session.request(
+            response = self._request(
                 method,
                 f"{self.base_url}{path}",
                 headers=headers,
                 timeout=self.timeout_s,
-                **kwargs,  # type: ignore[arg-type]
+                **kwargs,
             )
         except requests.RequestException as exc:
             raise TransientError(f"Rodan at {self.base_url} unreachable: {type(exc).__name__}") from exc
@@ -358,12 +385,41 @@ class RodanClient:
 
 
 def sniff(head: bytes) -> InputKind | None:
-    """``"png"`` or ``"jpeg"`` from a file's first bytes, else None."""
+    """``"png"``, ``"jpeg"``, ``"zip"`` or ``"hdf5"`` from a file's first bytes, else None."""
     if head.startswith(PNG_SIGNATURE):
         return "png"
     if head.startswith(JPEG_SIGNATURE):
         return "jpeg"
+    if head.startswith(ZIP_SIGNATURE):
+        return "zip"
+    if head.startswith(HDF5_SIGNATURE):
+        return "hdf5"
     return None
+
+
+def wrong_kind(name: str, head: bytes, kinds: tuple[InputKind, ...]) -> str:
+    """The reason an input whose first bytes are ``head`` is not one of ``kinds``."""
+    wanted = _KIND_NAMES.get(kinds) or " or ".join(kinds)
+    if not head:
+        start = "it is empty"
+    elif head.startswith(b"PK\x05\x06"):
+        start = "it is an empty zip archive"
+    else:
+        start = f"it starts with {head.hex()}"
+    return f"input {name!r} is not {wanted} ({start})"
+
+
+def _closed_before_answer(exc: BaseException) -> bool:
+    """Whether a requests ConnectionError is a connection closed before any answer (urllib3's
+    ``ProtocolError('Connection aborted.', RemoteDisconnected(...))``)."""
+    seen: list[object] = [exc]
+    while seen:
+        item = seen.pop()
+        if isinstance(item, http.client.RemoteDisconnected):
+            return True
+        if isinstance(item, BaseException):
+            seen.extend(item.args)
+    return False
 
 
 def _arrived(received: int, exc: BaseException) -> int:

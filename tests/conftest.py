@@ -8,7 +8,7 @@ Docker engine runs; otherwise the run fails with a message (never a silent skip)
 Every test that needs a service carries its marker (``broker``, ``slurm``, ``gridengine``): added
 here from the fixtures it uses and the scheduler a ``cluster`` parameter names, or written on the
 test where it reaches a service some other way. So
-``pytest -m "not broker and not slurm and not gridengine and not training"`` runs only tests that
+``pytest -m "not broker and not slurm and not gridengine and not rodan and not training"`` runs only tests that
 need none, and that is checked: a test that uses a service fixture without its marker fails, and a
 test with no service marker that runs a scheduler or RabbitMQ command, or connects to the broker,
 fails too (the commands are replaced on its PATH, the broker's port refused in this process).
@@ -35,15 +35,27 @@ from bridge.testing.samples import make_sample_page
 from tests.support.bridge import RODAN_EMAIL, RODAN_PASSWORD, bridge_environ
 from tests.support.broker import LOCAL_BROKER, Queues, Rodan
 from tests.support.cluster import Cluster
+from tests.support.private_broker import GROUP as PRIVATE_BROKER_GROUP
+from tests.support.private_broker import PrivateBroker, private_broker_running
 from tests.support.tls_proxy import tls_proxy as start_tls_proxy
 
-pytest_plugins = ["pytester"]  # tests/test_service_markers.py, tests/test_xdist_groups.py
+pytest_plugins = [
+    "pytester",  # tests/test_service_markers.py, tests/test_xdist_groups.py
+    "tests.support.rodan_real",  # the rodan_real fixture: a real Rodan 3.1.0 (deploy/dev/rodan.sh)
+]
 
 # --- service markers ---------------------------------------------------------------------------------
 
-SERVICES = ("broker", "slurm", "gridengine")
+SERVICES = ("broker", "slurm", "gridengine", "rodan")
 #: The fixture that stands for each service: a test whose fixtures include it needs the service.
-SERVICE_FIXTURES = {"broker_url": "broker", "slurm": "slurm", "gridengine": "gridengine"}
+#: (``private_broker``: a RabbitMQ node of the test's own, tests/support/private_broker.py.)
+SERVICE_FIXTURES = {
+    "broker_url": "broker",
+    "private_broker": "broker",
+    "slurm": "slurm",
+    "gridengine": "gridengine",
+    "rodan_real": "rodan",
+}
 #: Fixtures whose parameter names the scheduler a test runs on.
 SCHEDULER_PARAMS = ("cluster", "crash_cluster")
 #: The commands that talk to each service, replaced for a test that has no service marker.
@@ -84,6 +96,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for service in sorted(services_of(item)):
             if item.get_closest_marker(service) is None:
                 item.add_marker(service)
+        if "private_broker" in getattr(item, "fixturenames", ()):  # one worker for every private node
+            item.add_marker(pytest.mark.xdist_group(PRIVATE_BROKER_GROUP))
     # Longest first (a stable sort: file order within a rank). Under pytest-xdist
     # (deploy/dev/test.sh, --no-loadscope-reorder) the workers take tests in this order, so no
     # five-minute test starts near the end and keeps the run waiting for it alone.
@@ -248,6 +262,26 @@ def sample_inputs(standin: RodanStandin) -> Callable[..., dict[str, str]]:
         return make_sample_page(standin.uploads_dir, generation=generation, **kw)  # type: ignore[arg-type]
 
     return build
+
+
+# --- a private RabbitMQ node (tests/support/private_broker.py) -------------------------------------
+
+
+@pytest.fixture(scope="session")
+def private_broker(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateBroker]:
+    """A RabbitMQ node of its own, booted with the ``max_message_size`` the test names with
+    ``@private_node(max_message_size=...)``: one per limit, pytest stops it before the next."""
+    limit = getattr(request, "param", None)
+    if not isinstance(limit, int):
+        pytest.fail("a private node needs its limit: @private_node(max_message_size=...) on the test", pytrace=False)
+    with private_broker_running(Path(tmp_path_factory.mktemp("rmq")), limit) as broker:
+        yield broker
+
+
+@pytest.fixture
+def node(private_broker: PrivateBroker) -> PrivateBroker:
+    """The private node, running (a test that failed half-way may have left it stopped)."""
+    return private_broker.running()
 
 
 # --- the schedulers ------------------------------------------------------------------------------

@@ -54,11 +54,19 @@ REASON_HEADER = "x-hpc-bridge-reason"  # what marks a dead-letter copy (docs/ope
 
 OLD_NAMES = ["Image", "Background", "Selected Regions", "Music Layer", "Staff Layer", "Text"]
 NEW_PREFIX = "rgba PNG - Layer "
-SETTINGS_OK: dict[str, Any] = FAST_SETTINGS  # valid, and accepted by the dev clusters
+# Generation 3 (Rodan 3.x, docs/protocol.md §2.5): every input optional, at least one sample.
+RODAN3_NAMES = [
+    *(f"Sample {i}" for i in range(1, 21)),
+    "Multi-Sample Zip",
+    "Background Model",
+    *(f"Model {i}" for i in range(1, 10)),
+]
+SETTINGS_OK: dict[str, Any] = FAST_SETTINGS  # valid, and accepted by the dev clusters (every generation)
 SETTING_NAMES = [
     *SETTINGS_OK,
     "Slurm Notification Email",
     "Batch size",
+    "Batch Size",  # generation 3's (capital S)
     "Patience",
 ]
 
@@ -117,6 +125,28 @@ NASTY_NAMES = [
     "Text/../Text",
     "Music Layer\n#SBATCH --uid=0",
     "x" * 300,
+    # Generation 3's names, and what looks like them.
+    "Sample 0",
+    "Sample 21",
+    "Sample 01",
+    "Sample -1",
+    "Sample \u0661",  # isdigit(), an Arabic-Indic one
+    "Sample \uff11",  # int() gives 1, not ASCII
+    "Sample \u00b9",
+    "Sample 1\n",
+    "Sample 1 ",
+    "Sample ",
+    f"Sample {'9' * 5000}",
+    "sample 1",
+    "SAMPLE 1",
+    "Sample\u00a01",
+    "Model 0",
+    "Model 10",
+    "Model 01",
+    "Multi-Sample Zip\u200b",
+    "Multi-sample Zip",
+    "Background Model ",
+    "Log File",
 ]
 
 
@@ -546,7 +576,7 @@ class Context:
     sample pages the stand-in serves, per generation."""
 
     rodan: str
-    pages: Mapping[str, Mapping[str, str]]  # "old" / "new" -> inputs
+    pages: Mapping[str, Mapping[str, str]]  # "old" / "new" / "rodan3" -> inputs
     odd_files: tuple[str, ...] = ()  # paths of files the stand-in serves that are no PNG or JPEG
 
 
@@ -560,7 +590,57 @@ ODD_FILES: dict[str, bytes | None] = {
     "projects/odd/resources/eps/original_file": b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 1 1\nshowpage\n",
     "projects/odd/resources/png-head/original_file": b"\x89PNG\r\n\x1a\n",
     "projects/odd/resources/dir/original_file": None,  # a directory
+    # For generation 3: an empty zip, a zip's first header with nothing after it, an HDF5 signature alone.
+    "projects/odd/resources/empty-zip/original_file": b"PK\x05\x06" + bytes(18),
+    "projects/odd/resources/zip-head/original_file": b"PK\x03\x04",
+    "projects/odd/resources/hdf5-head/original_file": b"\x89HDF\r\n\x1a\n",
 }
+
+
+def write_rodan3_page(uploads: Path, page: Mapping[str, str]) -> dict[str, str]:
+    """A generation-3 request's inputs the stand-in serves: ``Sample 1`` (a sample zip as Pixel.js
+    writes it, from ``page``, a newer-generation page of 2 layers already under ``uploads``), the
+    ``Multi-Sample Zip`` (that sample in a folder) and a ``Background Model`` (HDF5)."""
+    import io
+    import zipfile
+
+    import h5py
+    import numpy as np
+
+    members = {  # member name -> the page's input that holds it
+        "Image.png": "Image",
+        "rgba PNG - Selected regions.png": "Selected Regions",
+        "rgba PNG - Layer 0 (Background).png": "Background",
+        "rgba PNG - Layer 1.png": f"{NEW_PREFIX}0",
+        "rgba PNG - Layer 2.png": f"{NEW_PREFIX}1",
+    }
+
+    def file_of(name: str) -> Path:
+        return uploads / page[name].removeprefix("/uploads/")
+
+    def zipped(folder: str) -> bytes:
+        out = io.BytesIO()
+        with zipfile.ZipFile(out, "w") as archive:
+            for member, source in members.items():
+                archive.write(file_of(source), folder + member)
+        return out.getvalue()
+
+    files = {
+        "Sample 1": ("sample", zipped("")),
+        "Multi-Sample Zip": ("multi", zipped("page-1/")),
+    }
+    inputs: dict[str, str] = {}
+    for name, (resource, data) in files.items():
+        relative = f"projects/rodan3/resources/{resource}/original_file"
+        (uploads / relative).parent.mkdir(parents=True, exist_ok=True)
+        (uploads / relative).write_bytes(data)
+        inputs[name] = f"/uploads/{relative}"
+    relative = "projects/rodan3/resources/model/original_file"
+    (uploads / relative).parent.mkdir(parents=True, exist_ok=True)
+    with h5py.File(uploads / relative, "w") as handle:
+        handle.create_dataset("model_weights/conv/kernel", data=np.zeros((3, 3, 3, 4), dtype="float32"))
+    inputs["Background Model"] = f"/uploads/{relative}"
+    return inputs
 
 
 def write_odd_files(uploads: Path) -> tuple[str, ...]:
@@ -650,17 +730,19 @@ RAW_NUMBERS = ["1" * 5000, "-" + "9" * 4400, "1" * 4000, "1e999", "-1e999", "1E+
 
 @st.composite
 def valid_requests(draw: st.DrawFn, ctx: Context) -> dict[str, Any]:
-    """A request as Rodan sends it: either generation, the stand-in's real files (submittable) or
+    """A request as Rodan sends it: any generation, the stand-in's real files (submittable) or
     plausible paths (no such file), sometimes the Rodan host's absolute URL; valid settings."""
-    generation = draw(st.sampled_from(["old", "new"]))
+    generation = draw(st.sampled_from([g for g in ("old", "new", "rodan3") if g in ctx.pages]))
     source = draw(st.sampled_from(["real", "real", "plausible", "absolute"]))
-    if generation == "old" and source != "plausible":
-        inputs = dict(ctx.pages["old"])
-    elif generation == "new" and source != "plausible":
-        inputs = dict(ctx.pages["new"])
+    if source != "plausible":
+        inputs = dict(ctx.pages[generation])
     else:
         seed = draw(st.integers(1, 2**64))
-        names = OLD_NAMES if generation == "old" else new_names(draw(st.integers(1, 10)))
+        if generation == "rodan3":  # any of its inputs, at least one sample
+            names = [draw(st.sampled_from(RODAN3_NAMES[:21]))]
+            names += draw(st.lists(st.sampled_from(RODAN3_NAMES), max_size=8, unique=True))
+        else:
+            names = OLD_NAMES if generation == "old" else new_names(draw(st.integers(1, 10)))
         inputs = {name: plausible_path(seed + i) for i, name in enumerate(names)}
     if source == "absolute":
         inputs = {k: f"http://{ctx.rodan}{v}" for k, v in inputs.items()}
@@ -961,6 +1043,29 @@ def hostile_burst(ctx: Context) -> list[MessageSpec]:
         inputs = dict(page)
         inputs[name] = inputs.pop(f"{NEW_PREFIX}0") if name.startswith(NEW_PREFIX) else "/uploads/x"
         add("input-name", dumps({"inputs": inputs, "settings": SETTINGS_OK}))
+    if "rodan3" in ctx.pages:  # generation 3: its nasty names, files of the wrong kind, odd settings
+        rodan3 = dict(ctx.pages["rodan3"])
+        for name in NASTY_NAMES:
+            add("rodan3-input-name", dumps({"inputs": {**rodan3, name: rodan3["Sample 1"]}, "settings": SETTINGS_OK}))
+        for older in ("Image", "Background", f"{NEW_PREFIX}0"):
+            add("rodan3-mixed", dumps({"inputs": {**rodan3, older: page[older]}, "settings": SETTINGS_OK}))
+        add("rodan3-models-only", dumps({"inputs": {"Background Model": rodan3["Background Model"]}}))
+        for url in [*ctx.odd_files, page["Image"], rodan3["Background Model"]]:
+            add("rodan3-input-value", dumps({"inputs": {**rodan3, "Sample 2": url}, "settings": SETTINGS_OK}))
+            add("rodan3-input-value", dumps({"inputs": {**rodan3, "Model 1": url}, "settings": SETTINGS_OK}))
+        for name, value in [
+            ("Batch Size", 65),
+            ("Batch Size", 0),
+            ("Batch Size", "8"),
+            ("Batch Size", None),
+            ("Batch Size", 8.0),  # valid: JSON's 8.0 is the integer 8
+            ("Batch Size", 2**64),
+            ("Patch width", 28),
+            ("Patch height", 34),
+            ("Maximum number of samples per label", 99),
+        ]:
+            add("rodan3-setting-value", dumps({"inputs": rodan3, "settings": {**SETTINGS_OK, name: value}}))
+        add("rodan3-valid", dumps({"inputs": rodan3, "settings": {**SETTINGS_OK, "Batch Size": 2}}))
     for url in [*nasty_urls(ctx.rodan), *ctx.odd_files]:
         add("input-value", dumps({"inputs": {**page, "Image": url}, "settings": SETTINGS_OK}))
     for i, value in enumerate(

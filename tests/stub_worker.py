@@ -7,6 +7,9 @@ through the real reply path (``worker.job.deliver``: stage in the outbox, publis
 confirms, write the replied marker). A request already answered gets nothing more,
 as with the real worker. A correlation id that starts with ``0`` only has its reply staged, as
 when the worker cannot reach the broker: the bridge publishes it once the job has ended.
+A generation-3 request (whose layers only the real worker learns, from its sample zips) gets
+:func:`rodan3_models`: the size of a 9-layer page's reply (10 models of 5.8 MB and a Log File,
+about 78 MB in base64), published in parts as the real worker's reply would be.
 
 ``install(dir)`` writes an executable ``python`` wrapper to use as HPC_WORKER_PYTHON: the batch
 script runs ``WRAPPER -m worker run PARAMS``; the wrapper execs this file for that and the real
@@ -16,11 +19,25 @@ environment: the bridge's crash plan must not kill the job).
 
 from __future__ import annotations
 
+import random
 import shlex
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+#: One model of the standard network without optimizer state (docs/protocol.md §3.4).
+RODAN3_MODEL_BYTES = 5_800_000
+RODAN3_LAYERS = 9
+
+
+def rodan3_models(correlation_id: str) -> dict[str, bytes]:
+    """Generation 3's reply entries for a 9-layer page: ``Background Model``, ``Model 1`` ...
+    ``Model 9`` (random bytes, the same for the same correlation id) and the ``Log File``."""
+    rng = random.Random(correlation_id)
+    names = ["Background Model"] + [f"Model {i}" for i in range(1, RODAN3_LAYERS + 1)]
+    models = {name: rng.randbytes(RODAN3_MODEL_BYTES) for name in names}
+    models["Log File"] = f"stub training log for {correlation_id}\n".encode()
+    return models
 
 
 def install(directory: Path) -> Path:
@@ -45,7 +62,7 @@ def main(argv: list[str]) -> int:
 
     from bridge.handoff import JobParameters
     from bridge.logs import configure_logging
-    from bridge.protocol import success_reply
+    from bridge.protocol import Generation, success_reply
     from bridge.replies import ReplyBox
     from bridge.spool import Spool, read_json
     from worker.job import deliver
@@ -60,9 +77,17 @@ def main(argv: list[str]) -> int:
         structlog.get_logger("worker").warning("already_replied")
         return 0
     models = {key: f"stub model {key} for {params.correlation_id}".encode() for _, key in params.layers}
+    if params.generation is Generation.RODAN3:
+        models = rodan3_models(params.correlation_id)
     if params.correlation_id.startswith("0"):
         # As a worker that cannot reach the broker: the reply stays in the outbox for the bridge.
-        replies.stage(params.correlation_id, params.reply_to, success_reply(models), origin="worker")
+        replies.stage(
+            params.correlation_id,
+            params.reply_to,
+            success_reply(models),
+            origin="worker",
+            part_bytes=params.reply_part_bytes,
+        )
         return 0
     deliver(replies, params, success_reply(models))
     return 0

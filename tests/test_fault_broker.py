@@ -1,10 +1,11 @@
 """Broker outages while ``hpc-bridge run`` consumes and workers publish (fault suite item 2: docs/reliability.md).
 
 Every test here runs against a PRIVATE RabbitMQ node (its own node name, ports, data and log
-directories, Erlang cookie), started once per session, so that stopping and restarting it never
-disturbs the shared broker on 5672. Requests go through real Slurm jobs; the jobs run a light stub
-worker that uses the real worker's delivery (``worker.job.deliver``: stage in the outbox, publish
-with confirms), and waits for a gate file so that the test decides when the replies are published.
+directories, Erlang cookie, and a ``max_message_size`` of 1 MiB: tests/support/private_broker.py),
+started once per session, so that stopping and restarting it never disturbs the shared broker on
+5672. Requests go through real Slurm jobs; the jobs run a light stub worker that uses the real
+worker's delivery (``worker.job.deliver``: stage in the outbox, publish with confirms), and waits
+for a gate file so that the test decides when the replies are published.
 
 What a restart of the node preserves, ``rabbitmqctl stop_app``/``start_app`` as much as a full stop
 and start: both drop non-durable queues (Rodan declares ``hpc-jobs`` and ``hpc-results``
@@ -24,10 +25,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import shutil
-import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -47,13 +44,11 @@ from tests.support.bridge import bridge_environ, job_parameters_json, settled
 from tests.support.broker import Queues, Rodan
 from tests.support.cluster import Cluster, jobs_named
 from tests.support.harness import Harness
+from tests.support.private_broker import PrivateBroker, private_node
 from tests.support.wait import wait_until
 
-# One private node for the whole run: with pytest-xdist's --dist loadgroup (deploy/dev/test.sh) these
-# tests share one worker, so two nodes never boot at once on 2 cores (one then failed to start).
-pytestmark = [pytest.mark.slurm, pytest.mark.broker, pytest.mark.xdist_group("private_broker")]
+pytestmark = [pytest.mark.slurm, pytest.mark.broker]
 
-RABBIT_BIN = Path("/usr/lib/rabbitmq/bin")  # the real scripts (/usr/sbin's wrappers su to rabbitmq)
 STUB_SETTINGS = {
     "Maximum number of training epochs": 1,
     "Maximum number of samples per label": 100,
@@ -68,95 +63,8 @@ STUB_SETTINGS = {
 #: The private node's max_message_size: far below HPC_MAX_REPLY_BYTES, the operator's mistake that
 #: makes the broker itself refuse a models reply.
 PRIVATE_MAX_MESSAGE = 1024 * 1024
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class PrivateBroker:
-    """A RabbitMQ node of its own: ``stop_app``/``start_app`` and full stop/start never touch 5672."""
-
-    def __init__(self, base: Path) -> None:
-        self.base = base
-        self.node = f"hpcb-outage-{os.getpid()}@localhost"
-        self.port = _free_port()
-        dist = _free_port()
-        base.mkdir(parents=True, exist_ok=True)
-        cookie = base / ".erlang.cookie"
-        cookie.write_text(uuid.uuid4().hex.upper())
-        cookie.chmod(0o400)
-        (base / "enabled_plugins").write_text("[].\n")
-        (base / "rabbitmq.conf").write_text(
-            f"listeners.tcp.1 = 127.0.0.1:{self.port}\nloopback_users.guest = true\n"
-            f"max_message_size = {PRIVATE_MAX_MESSAGE}\n"
-        )
-        (base / "rabbitmq-env.conf").write_text("")
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith(("RABBITMQ_", "ERL_"))}
-        self.env.update(
-            HOME=str(base),  # the Erlang cookie of this node and of its CLI
-            RABBITMQ_NODENAME=self.node,
-            RABBITMQ_NODE_PORT=str(self.port),
-            RABBITMQ_DIST_PORT=str(dist),
-            RABBITMQ_MNESIA_BASE=str(base / "mnesia"),
-            RABBITMQ_LOG_BASE=str(base / "log"),
-            RABBITMQ_PID_FILE=str(base / "rabbit.pid"),
-            RABBITMQ_ENABLED_PLUGINS_FILE=str(base / "enabled_plugins"),
-            RABBITMQ_CONFIG_FILE=str(base / "rabbitmq.conf"),
-            RABBITMQ_ADVANCED_CONFIG_FILE=str(base / "advanced.config"),
-            RABBITMQ_CONF_ENV_FILE=str(base / "rabbitmq-env.conf"),
-        )
-        self.url = f"amqp://guest:guest@127.0.0.1:{self.port}/%2F"
-
-    def ctl(self, *args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [str(RABBIT_BIN / "rabbitmqctl"), "-n", self.node, *args],
-            env=self.env,
-            cwd=self.base,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-
-    def answers(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=2):
-                return True
-        except OSError:
-            return False
-
-    def start(self) -> None:
-        subprocess.run(
-            [str(RABBIT_BIN / "rabbitmq-server"), "-detached"], env=self.env, cwd=self.base, check=True, timeout=60
-        )
-        wait_until(lambda: self.ctl("-q", "ping", timeout=30).returncode == 0, 90, 0.5, "the private node to boot")
-        result = self.ctl("await_startup", "--timeout", "90", timeout=120)
-        assert result.returncode == 0, result.stderr
-        wait_until(self.answers, 30, 0.2, "the private node's AMQP listener")
-
-    def stop_app(self) -> None:
-        assert self.ctl("stop_app").returncode == 0
-        wait_until(lambda: not self.answers(), 30, 0.1, "the listener to close")
-
-    def start_app(self) -> None:
-        assert self.ctl("start_app").returncode == 0
-        wait_until(self.answers, 60, 0.2, "the listener to open")
-
-    def stop(self) -> None:
-        """A full stop of the node (the Erlang VM exits)."""
-        self.ctl("stop", timeout=120)
-        pid_file = self.base / "rabbit.pid"
-        if pid_file.exists():
-            pid = int(pid_file.read_text().strip() or 0)
-            wait_until(lambda: not _alive(pid), 60, 0.2, "the node's VM to exit")
-
-    def kill(self) -> None:
-        """Last resort at teardown: our own node's VM, by its pid file."""
-        pid_file = self.base / "rabbit.pid"
-        if pid_file.exists() and (text := pid_file.read_text().strip()) and _alive(int(text)):
-            os.kill(int(text), signal.SIGKILL)
+#: Every test here on one private node (tests/support/private_broker.py), booted with that limit.
+on_the_node = private_node(max_message_size=PRIVATE_MAX_MESSAGE)
 
 
 @contextmanager
@@ -169,45 +77,6 @@ def confirm_channel(url: str) -> Iterator[BlockingChannel]:
         yield channel
     finally:
         connection.close()
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-@pytest.fixture(scope="session")
-def private_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateBroker]:
-    if not (RABBIT_BIN / "rabbitmq-server").exists():
-        if os.environ.get("RABBITMQ_URL"):  # the tests' broker is elsewhere: no server to start here
-            pytest.skip("a private RabbitMQ node needs the rabbitmq-server package on this machine")
-        pytest.fail("rabbitmq-server is not installed: deploy/dev/setup.sh installs it")
-    # A short base path: Erlang and RabbitMQ dislike long socket and data paths.
-    base = Path(tmp_path_factory.mktemp("rmq"))
-    broker = PrivateBroker(base)
-    broker.start()
-    try:
-        yield broker
-    finally:
-        broker.stop()
-        broker.kill()
-        shutil.rmtree(base, ignore_errors=True)
-
-
-@pytest.fixture
-def node(private_broker: PrivateBroker) -> PrivateBroker:
-    """The private node, running (a test that failed half-way may have left it stopped)."""
-    if not private_broker.answers():
-        if private_broker.ctl("-q", "ping", timeout=30).returncode == 0:
-            private_broker.start_app()
-        else:
-            private_broker.start()
-    return private_broker
 
 
 STUB = """
@@ -377,6 +246,7 @@ class RodanConsumer:
         return all(scene.replies.get(c) for c in corrs)
 
 
+@on_the_node
 def test_stop_app_while_consuming_and_while_workers_publish(scene: Scene, node: PrivateBroker, sample_inputs) -> None:
     daemon = scene.start_daemon()
     page = sample_inputs("new", n_layers=1, seed=21)
@@ -444,6 +314,7 @@ def test_stop_app_while_consuming_and_while_workers_publish(scene: Scene, node: 
     )
 
 
+@on_the_node
 def test_full_node_restart_redeclares_and_keeps_replies_until_the_reply_queue_exists(
     scene: Scene, node: PrivateBroker, sample_inputs
 ) -> None:
@@ -497,6 +368,7 @@ def test_full_node_restart_redeclares_and_keeps_replies_until_the_reply_queue_ex
     print(f"\nfull restart: {len(corrs) + 1} requests, {len(lost)} broker_lost, {len(connected)} broker_connected")
 
 
+@on_the_node
 def test_a_missing_reply_queue_leaves_the_reply_staged_and_the_pass_goes_on(
     tmp_path: Path, node: PrivateBroker
 ) -> None:
@@ -522,6 +394,7 @@ def test_a_missing_reply_queue_leaves_the_reply_staged_and_the_pass_goes_on(
         channel.queue_delete(present)
 
 
+@on_the_node
 def test_models_the_broker_refuses_for_size_become_one_error_reply_and_are_never_tried_again(
     tmp_path: Path, node: PrivateBroker
 ) -> None:

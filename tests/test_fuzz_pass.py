@@ -1,15 +1,15 @@
 """Hostile messages through the REAL pass: no message can stop the bridge.
 
-Generated messages (tests/fuzz_messages.py: any bytes or JSON as body, valid requests of both Rodan
-generations with one field mutated, ~1 MiB bodies, JSON nested 100,000 deep, and every AMQP
-property missing, empty, at its 255-byte limit, non-UTF-8 or odd) are published with raw
-``pika.BasicProperties`` to the real broker; then the real ``Bridge(config).check()`` runs
-in-process on real Slurm (``HPC_SCHEDULER_ARGS=--hold``: a request that is submitted stays held and
-is cancelled at the end), with the Rodan stand-in serving a sample page of each generation. Every
-message must end in exactly one outcome (see tests/fuzz_messages.py): submitted; or one error reply
-with its correlation id plus a dead-letter copy; or, without a usable correlation id / reply_to
-(``reply_to`` must be ``HPC_REPLY_QUEUE`` itself), a dead-letter copy only. The pass must return 0,
-and leave the request queue empty.
+Generated messages (tests/fuzz_messages.py: any bytes or JSON as body, valid requests of the three
+generations (Rodan 2's two, and Rodan 3's sample zips and starting models) with one field mutated,
+~1 MiB bodies, JSON nested 100,000 deep, and every AMQP property missing, empty, at its 255-byte
+limit, non-UTF-8 or odd) are published with raw ``pika.BasicProperties`` to the real broker; then
+the real ``Bridge(config).check()`` runs in-process on real Slurm (``HPC_SCHEDULER_ARGS=--hold``: a
+request that is submitted stays held and is cancelled at the end), with the Rodan stand-in serving a
+sample page of each generation. Every message must end in exactly one outcome (see
+tests/fuzz_messages.py): submitted; or one error reply with its correlation id plus a dead-letter
+copy; or, without a usable correlation id / reply_to (``reply_to`` must be ``HPC_REPLY_QUEUE``
+itself), a dead-letter copy only. The pass must return 0, and leave the request queue empty.
 
 One hypothesis example = one batch of up to 6 messages = one pass. ``HPC_FUZZ_EXAMPLES`` sets the
 number of examples (default 300, about a minute; the full run is 10,000)::
@@ -66,6 +66,7 @@ from tests.fuzz_messages import (
     observe,
     publish_batch,
     write_odd_files,
+    write_rodan3_page,
 )
 from tests.support.bridge import REPO, bridge_environ
 from tests.support.broker import Queues
@@ -170,11 +171,13 @@ def fail_on(verdict: Verdict, published: Published, where: str) -> None:
 @pytest.fixture
 def context(standin: RodanStandin, slurm: None) -> Context:
     """A sample page of each generation, served by the stand-in (its requests are submittable), and
-    files that are no PNG or JPEG (an input naming one is refused, or fails in the job)."""
+    files that are no PNG or JPEG (an input naming one is refused, or fails in the job); generation
+    3's page is a sample zip, a multi-sample zip and a starting model."""
     pages = {
         "old": make_sample_page(standin.uploads_dir, generation="old", height=96, width=96, seed=11),
         "new": make_sample_page(standin.uploads_dir, generation="new", n_layers=2, height=96, width=96, seed=12),
     }
+    pages["rodan3"] = write_rodan3_page(standin.uploads_dir, pages["new"])
     return Context(standin.host_port, pages, write_odd_files(standin.uploads_dir))
 
 

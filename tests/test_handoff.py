@@ -38,7 +38,7 @@ from bridge.handoff import (
 )
 from bridge.protocol import Generation, RequestSettings, parse_request
 from bridge.replies import ReplyBox
-from bridge.rodan import InputInfo, RodanClient
+from bridge.rodan import IMAGE_KINDS, InputInfo, InputKind, RodanClient
 from bridge.schedulers import JobSpec
 from bridge.spool import Spool, atomic_write_json, read_json
 
@@ -148,7 +148,7 @@ def test_a_round_trip_through_json_gives_the_same_parameters() -> None:
     raw = sample_json()
     assert JobParameters.from_json(raw) == params
     assert JobParameters.from_json(raw).to_json() == raw
-    assert raw["version"] == PARAMETERS_VERSION == 1
+    assert raw["version"] == PARAMETERS_VERSION == 2
     # The defaults round-trip too (None where the bridge sets nothing).
     plain = replace(
         params, seed=None, run_dir=None, continuation=ContinuationState(), broker=BrokerAccess(url="amqp://x")
@@ -194,6 +194,9 @@ def test_an_unknown_field_is_refused_by_name(group: tuple[str, ...]) -> None:
         (("inputs",), {"Image": 3}, "field 'inputs' must be an object of strings, not an object"),
         (("layers",), [["Background"]], "field 'layers' must be a list of [input name, reply key] pairs"),
         (("generation",), "newest", "field 'generation' must be one of 'old', 'new'"),
+        (("roles",), {"Sample 1": "zip"}, "field 'roles' must be an object of input name -> one of 'image'"),
+        (("roles",), [], "field 'roles' must be an object of input name"),
+        (("reply_part_bytes",), "8", "field 'reply_part_bytes' must be an integer, not a string"),
         (("rodan",), [], "field 'rodan' must be an object, not a list"),
         (("job", "spec", "command"), 7, "field 'job.spec' is not a job spec"),
     ],
@@ -220,8 +223,8 @@ def test_numbers_may_be_written_as_integers() -> None:
 @pytest.mark.parametrize(
     ("version", "wanted"),
     [
-        (2, "version 2 (written by hpc-bridge 9.9.9, a newer hpc-bridge than this worker, which reads version 1)"),
-        (0, "version 0 (written by hpc-bridge 9.9.9, an older hpc-bridge than this worker, which reads version 1)"),
+        (3, "version 3 (written by hpc-bridge 9.9.9, a newer hpc-bridge than this worker, which reads version 2)"),
+        (1, "version 1 (written by hpc-bridge 9.9.9, an older hpc-bridge than this worker, which reads version 2)"),
         (None, "it has no 'version' (written by hpc-bridge 9.9.9 before parameter files had one)"),
         ("1", "field 'version' must be an integer, not a string"),
     ],
@@ -283,8 +286,10 @@ class RodanAnswers(RodanClient):
     def get_token(self) -> str:
         return TOKEN
 
-    def check_input(self, resource: str, *, name: str, max_bytes: int) -> InputInfo:
-        return InputInfo(url=self.base_url + resource, bytes=1000, kind="png")
+    def check_input(
+        self, resource: str, *, name: str, max_bytes: int, kinds: tuple[InputKind, ...] = IMAGE_KINDS
+    ) -> InputInfo:
+        return InputInfo(url=self.base_url + resource, bytes=1000, kind=kinds[0])
 
 
 INPUTS = {

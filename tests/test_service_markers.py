@@ -1,5 +1,5 @@
 """The service markers (tests/conftest.py): added from the fixtures a test uses, and checked, so
-that ``-m "not broker and not slurm and not gridengine and not training"`` runs only tests that
+that ``-m "not broker and not slurm and not gridengine and not rodan and not training"`` runs only tests that
 reach no service. Each case runs a small suite of its own with this project's conftest."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def test_marked_by_hand():
     pass
 """
 
-SERVICE_FREE = "not broker and not slurm and not gridengine and not training"
+SERVICE_FREE = "not broker and not slurm and not gridengine and not rodan and not training"
 
 
 @pytest.fixture
@@ -119,3 +119,30 @@ def test_marked(request):
     result = suite.runpytest_inprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=2, errors=1)
     assert "this test used ['broker'] without the marker(s)" in result.stdout.str()
+
+
+def test_a_test_on_a_private_node_gets_the_broker_marker(suite: pytest.Pytester) -> None:
+    """``private_broker`` (tests/support/private_broker.py), also through ``node``, is the broker."""
+    suite.makepyfile(
+        test_suite="""
+from tests.support.private_broker import private_node
+
+
+@private_node(max_message_size=4096)
+def test_node(node):
+    pass
+
+
+@private_node(max_message_size=4096)
+def test_private_broker(private_broker):
+    pass
+
+
+def test_plain():
+    pass
+"""
+    )
+    broker = suite.runpytest_inprocess("--collect-only", "-q", "-p", "no:cacheprovider", "-m", "broker")
+    assert selected(broker) == {"test_node[max_message_size=4096]", "test_private_broker[max_message_size=4096]"}
+    free = suite.runpytest_inprocess("--collect-only", "-q", "-p", "no:cacheprovider", "-m", SERVICE_FREE)
+    assert selected(free) == {"test_plain"}

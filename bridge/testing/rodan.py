@@ -11,6 +11,13 @@ uses of Rodan:
   206 with ``Content-Range`` (416 with ``Content-Range: bytes */SIZE`` when unsatisfiable; several
   ranges or a malformed header get the whole file, as the RFC allows);
 
+``server="runserver"`` serves as Rodan 3.1.0's ``manage.py runserver`` does (what
+deploy/dev/rodan.sh runs, and what ``tests/test_rodan_real.py`` compares this stand-in with): uploads
+ignore ``Range`` (200 with the whole file, no ``Accept-Ranges``), every connection is closed after its
+answer without a ``Connection: close`` header, and a POST to the token URL without its trailing slash
+gets 500 (Django's APPEND_SLASH cannot redirect a POST). :meth:`RodanStandin.like_rodan_3_1` gives
+that with 3.1.0's token answers (``detail_style="rodan3"``).
+
 plus fault injection (error bursts with a chosen body or ``Retry-After``, redirects, delays,
 connection resets, truncated bodies, changed credentials, resources that ignore ranges, generated
 resources: endless chunked bodies, huge declared lengths, gzip bombs) and a log of every request
@@ -47,6 +54,7 @@ __all__ = [
     "DetailStyle",
     "ReceivedRequest",
     "RodanStandin",
+    "ServerStyle",
     "TokenField",
     "User",
     "token_for_email",
@@ -55,7 +63,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 TokenField = Literal["email", "username", "both"]
-DetailStyle = Literal["protocol", "rodan"]
+DetailStyle = Literal["protocol", "rodan", "rodan3"]
+ServerStyle = Literal["nginx", "runserver"]
 
 TOKEN_PATH = "/api/auth/token/"
 ME_PATH = "/api/auth/me/"
@@ -372,6 +381,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.send_header("Connection", "close")
             self.close_connection = True
         self.end_headers()
+        if self._app().server_style == "runserver":
+            self.close_connection = True  # runserver closes after every answer, without saying so
         if self.command == "HEAD":
             return
         limit = response.length // 2 if truncate else response.length
@@ -500,7 +511,10 @@ class RodanStandin:
     ``"username"`` (Rodan <= 2.0.14) or ``"both"`` (either identifies the user; the e-mail wins when
     both are sent). ``detail_style="rodan"`` answers failures with the bodies Rodan's own code sends
     (``{"is_logged_in": false}``, ``"You must supply a email"``) instead of the documented
-    ``{"detail": ...}`` strings of docs/protocol.md §4.1. When ``users`` is None there is one account,
+    ``{"detail": ...}`` strings of docs/protocol.md §4.1; ``detail_style="rodan3"`` answers as Rodan
+    3.1.0 does: ``{"is_logged_in": false, "detail": ...}`` with the documented strings, and a refused
+    token gets ``WWW-Authenticate: Basic realm="api"``. ``server`` is ``"nginx"`` (ranges honoured,
+    keep-alive) or ``"runserver"`` (see the module's doc). When ``users`` is None there is one account,
     ``hpc@example.org`` / ``hpc`` / ``standin-password``.
     """
 
@@ -514,6 +528,7 @@ class RodanStandin:
         port: int = 0,
         *,
         detail_style: DetailStyle = "protocol",
+        server: ServerStyle = "nginx",
     ) -> None:
         if token_field not in ("email", "username", "both"):
             raise ValueError(f"token_field must be email, username or both, not {token_field!r}")
@@ -525,6 +540,9 @@ class RodanStandin:
         self._token_field: TokenField = token_field
         self._require_auth_for_uploads = require_auth_for_uploads
         self._detail_style: DetailStyle = detail_style
+        if server not in ("nginx", "runserver"):
+            raise ValueError(f"server must be nginx or runserver, not {server!r}")
+        self._server_style: ServerStyle = server
         self._host = host
         self._port = port
         self._faults: list[_Fault] = []
@@ -537,6 +555,15 @@ class RodanStandin:
         self._server: _Server | None = None
         self._bound_port = 0
         self._thread: threading.Thread | None = None
+
+    @classmethod
+    def like_rodan_3_1(cls, uploads_dir: Path | str, users: list[User] | None = None, **kwargs: Any) -> RodanStandin:
+        """A stand-in that answers as Rodan 3.1.0 under ``runserver`` (deploy/dev/rodan.sh) does."""
+        return cls(uploads_dir, users, token_field="email", detail_style="rodan3", server="runserver", **kwargs)
+
+    @property
+    def server_style(self) -> ServerStyle:
+        return self._server_style
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -854,9 +881,13 @@ class RodanStandin:
                 return _not_allowed(method, "GET, HEAD, OPTIONS")
             user, failure = self._authenticate(headers)
             if user is None:
-                return failure or _unauthenticated()
+                challenge = 'Basic realm="api"' if self._detail_style == "rodan3" else "Token"
+                return failure or _unauthenticated(challenge=challenge)
             return _json(200, self._user_json(user, headers))
         if path + "/" in (TOKEN_PATH, ME_PATH):
+            if method == "POST" and self._server_style == "runserver":
+                # DEBUG's APPEND_SLASH cannot redirect a POST: RuntimeError, a 500 page.
+                return _Response(500, b"<h1>Server Error (500)</h1>", "text/html")
             # Django's APPEND_SLASH: a permanent redirect to the slashed URL.
             location = path + "/" + (f"?{query}" if query else "")
             return _Response(301, b"", "text/html; charset=utf-8", [("Location", location)])
@@ -910,10 +941,10 @@ class RodanStandin:
             if mode == "both":
                 return self._refuse(401, "You must supply an email or a username.", style)
             text = f"You must supply {article} {field_name}."
-            return self._refuse(401, text if style == "protocol" else f"You must supply a {field_name}", style)
+            return self._refuse(401, text if style != "rodan" else f"You must supply a {field_name}", style)
         if not password:
             text = "You must supply a password."
-            return self._refuse(401, text if style == "protocol" else "You must supply a password", style)
+            return self._refuse(401, text if style != "rodan" else "You must supply a password", style)
         with self._lock:
             user = next(
                 (
@@ -938,24 +969,27 @@ class RodanStandin:
     def _refuse(status: int, detail: str, style: DetailStyle) -> _Response:
         if style == "rodan" and not detail.startswith("You must supply"):
             return _json(status, {"is_logged_in": False})
+        if style == "rodan3":
+            return _json(status, {"is_logged_in": False, "detail": detail})
         return _detail(status, detail)
 
     def _authenticate(self, headers: Any) -> tuple[User | None, _Response | None]:
         """Django REST framework's TokenAuthentication. (None, None) means no credentials at all."""
         value = headers.get("Authorization", "")
         parts = value.split()
+        challenge = 'Basic realm="api"' if self._detail_style == "rodan3" else "Token"
         if not parts or parts[0].lower() != "token":
             return None, None
         if len(parts) == 1:
-            return None, _unauthenticated("Invalid token header. No credentials provided.")
+            return None, _unauthenticated("Invalid token header. No credentials provided.", challenge)
         if len(parts) > 2:
-            return None, _unauthenticated("Invalid token header. Token string should not contain spaces.")
+            return None, _unauthenticated("Invalid token header. Token string should not contain spaces.", challenge)
         with self._lock:
             user = next((u for u in self._users if secrets.compare_digest(u.token, parts[1])), None)
         if user is None:
-            return None, _unauthenticated("Invalid token.")
+            return None, _unauthenticated("Invalid token.", challenge)
         if not user.active:
-            return None, _unauthenticated("User inactive or deleted.")
+            return None, _unauthenticated("User inactive or deleted.", challenge)
         return user, None
 
     def _generate(self, spec: _Generated) -> _Response:
@@ -988,7 +1022,9 @@ class RodanStandin:
         except OSError:
             return _detail(404, "Not found.")
         with self._lock:
-            ignore = any(p is None or path.startswith(p) for p in self._ignore_ranges)
+            ignore = self._server_style == "runserver" or any(
+                p is None or path.startswith(p) for p in self._ignore_ranges
+            )
         accept = [] if ignore else [("Accept-Ranges", "bytes")]
         wanted = None if ignore else _byte_range(range_header, size)
         if wanted == "unsatisfiable":
@@ -1011,5 +1047,7 @@ def _not_allowed(method: str, allow: str) -> _Response:
     return _detail(405, f'Method "{method}" not allowed.', [("Allow", allow)])
 
 
-def _unauthenticated(detail: str = "Authentication credentials were not provided.") -> _Response:
-    return _detail(401, detail, [("WWW-Authenticate", "Token")])
+def _unauthenticated(
+    detail: str = "Authentication credentials were not provided.", challenge: str = "Token"
+) -> _Response:
+    return _detail(401, detail, [("WWW-Authenticate", challenge)])
