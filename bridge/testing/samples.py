@@ -7,7 +7,10 @@ resource PATH, ``/uploads/projects/.../original_file``) that Rodan would publish
 - :func:`make_sample_page`: a small synthetic page (parchment, staves, neumes, text, optional extra
   symbol classes) whose layers partition the selected region exactly;
 - :func:`synthesize_page_from_masks`: an RGB page synthesized from the real Einsiedeln annotation
-  layers (:data:`EINSIEDELN_DIR`, a data set kept beside the checkout), optionally cropped.
+  layers (:data:`EINSIEDELN_DIR`, a data set kept beside the checkout), optionally cropped;
+- :func:`make_sample_zip` / :func:`make_multi_sample_zip`: a newer-generation page of either packed
+  into a sample zip exactly as Rodan 3's Pixel.js job writes it, and sample zips into a Multi-Sample
+  Zip as Rodan 3's trainer writes it.
 
 numpy and Pillow are imported inside the functions, so importing this module costs nothing.
 Everything is deterministic for a given ``seed``.
@@ -16,7 +19,11 @@ Everything is deterministic for a given ``seed``.
 from __future__ import annotations
 
 import hashlib
+import io
 import os
+import stat
+import zipfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -30,10 +37,16 @@ if TYPE_CHECKING:
 __all__ = [
     "EINSIEDELN_DIR",
     "OLD_LAYER_INPUTS",
+    "PIXELJS_BACKGROUND",
+    "PIXELJS_IMAGE",
+    "PIXELJS_SELECTED_REGIONS",
     "Generation",
     "input_names",
     "layer_input_names",
+    "make_multi_sample_zip",
     "make_sample_page",
+    "make_sample_zip",
+    "pixeljs_layer_file",
     "resource_path",
     "synthesize_page_from_masks",
 ]
@@ -546,3 +559,105 @@ def _place_text(
                 x += stroke + gap
             x += 10 - gap
     return text
+
+
+# ---------------------------------------------------------------------------------------------------
+# make_sample_zip, make_multi_sample_zip
+
+#: The files of a sample zip as Rodan's Pixel.js job (DDMAL/pixel_wrapper ``wrapper.py``) names them.
+PIXELJS_IMAGE = "Image.png"
+PIXELJS_SELECTED_REGIONS = "rgba PNG - Selected regions.png"
+PIXELJS_BACKGROUND = "rgba PNG - Layer 0 (Background).png"
+# A fixed member time (wrapper.py stamps the current time), so that the same page gives the same bytes.
+_ZIP_TIME = (2024, 1, 1, 0, 0, 0)
+
+
+def pixeljs_layer_file(number: int) -> str:
+    """The file name of layer ``number`` in a sample zip (0 is the background)."""
+    return PIXELJS_BACKGROUND if number == 0 else f"rgba PNG - Layer {number}.png"
+
+
+def _upload_file(uploads_dir: Path, resource: str) -> Path:
+    prefix = "/uploads/"
+    if not resource.startswith(prefix):
+        raise ValueError(f"{resource!r} is not a resource path under /uploads/")
+    return Path(uploads_dir) / resource[len(prefix) :]
+
+
+def _png_bytes(array: npt.NDArray[np.uint8]) -> bytes:
+    buffer = io.BytesIO()
+    _to_image(array).save(buffer, format="PNG", compress_level=1)  # OpenCV's imencode default: fast
+    return buffer.getvalue()
+
+
+def _zip_member(name: str, mode: int) -> zipfile.ZipInfo:
+    info = zipfile.ZipInfo(name, date_time=_ZIP_TIME)
+    info.compress_type = zipfile.ZIP_STORED
+    info.external_attr = mode << 16
+    return info
+
+
+def make_sample_zip(zip_path: Path, uploads_dir: Path, inputs: Mapping[str, str]) -> Path:
+    """Pack a newer-generation page into a sample zip as Rodan 3's Pixel.js job writes it; return ``zip_path``.
+
+    ``inputs`` is what :func:`make_sample_page` or :func:`synthesize_page_from_masks` return with
+    ``generation="new"`` for files under ``uploads_dir``. The members, at the top level, stored (no
+    compression), in wrapper.py's order:
+
+    - ``rgba PNG - Layer 0 (Background).png`` <- ``Background``;
+    - ``rgba PNG - Layer k.png`` <- ``rgba PNG - Layer k-1`` (k = 1 ...: Pixel.js numbers the layers
+      after the background from 1);
+    - ``rgba PNG - Selected regions.png`` <- ``Selected Regions``;
+    - ``Image.png`` <- ``Image``, written as wrapper.py writes it: four channels, alpha 255.
+
+    Each layer (and the selected regions) is, as wrapper.py makes it, the image's pixels where the layer
+    is and transparent black elsewhere; "where the layer is" is where the source is opaque (alpha 255),
+    so every mask is exactly the one ``load_page`` reads from the loose file (partial alpha becomes
+    transparent).
+    """
+    import numpy as np
+    from PIL import Image
+
+    with Image.open(_upload_file(uploads_dir, inputs["Image"])) as opened:
+        rgba = np.array(opened.convert("RGB").convert("RGBA"), dtype=np.uint8)
+
+    def masked(name: str) -> bytes:
+        with Image.open(_upload_file(uploads_dir, inputs[name])) as layer:
+            alpha = np.asarray(layer.convert("RGBA").getchannel("A"), dtype=np.uint8)
+        if alpha.shape != rgba.shape[:2]:
+            raise ValueError(f"{name} is {alpha.shape[1]}x{alpha.shape[0]}, the image {rgba.shape[1]}x{rgba.shape[0]}")
+        out = np.zeros_like(rgba)
+        out[alpha == 255] = rgba[alpha == 255]
+        return _png_bytes(out)
+
+    layers = [name for name in input_names("new", MAX_NEW_LAYERS) if name in inputs and name.startswith("rgba PNG")]
+    members = [(PIXELJS_BACKGROUND, masked("Background"))]
+    members += [(pixeljs_layer_file(k), masked(name)) for k, name in enumerate(layers, 1)]
+    members.append((PIXELJS_SELECTED_REGIONS, masked("Selected Regions")))
+    members.append((PIXELJS_IMAGE, _png_bytes(rgba)))
+    zip_path = Path(zip_path)
+    zip_path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(zip_path, mode=None) as handle, zipfile.ZipFile(handle, "w") as archive:
+        for name, data in members:
+            archive.writestr(_zip_member(name, 0o600), data)  # writestr's mode for a name
+    return zip_path
+
+
+def make_multi_sample_zip(zip_path: Path, samples: Mapping[str, Path], *, folder_entries: bool = False) -> Path:
+    """Put sample zips (folder name -> sample zip) into one Multi-Sample Zip; return ``zip_path``.
+
+    As Rodan 3's trainer writes its ``Multi-Sample Zip`` output: ``<folder>/<file>`` for every file of
+    every sample, stored, regular files (mode 644), no folder entries; ``folder_entries=True`` adds a
+    ``<folder>/`` entry before each folder's files, as ``zip -r`` does.
+    """
+    zip_path = Path(zip_path)
+    zip_path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(zip_path, mode=None) as handle, zipfile.ZipFile(handle, "w") as archive:
+        for folder, sample in samples.items():
+            if folder_entries:
+                archive.writestr(_zip_member(f"{folder}/", stat.S_IFDIR | 0o755), b"")
+            with zipfile.ZipFile(sample) as source:
+                for info in source.infolist():
+                    data = source.read(info)
+                    archive.writestr(_zip_member(f"{folder}/{info.filename}", stat.S_IFREG | 0o644), data)
+    return zip_path

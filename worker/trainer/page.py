@@ -38,11 +38,13 @@ class Page:
 
     ``image`` is uint8 ``(H, W, 3)`` in RGB order. ``masks`` maps each layer's label to a
     bool ``(H, W)`` array that is already restricted to the selected regions; its
-    insertion order is the training order.
+    insertion order is the training order. ``name`` (optional, e.g. the sample zip's) only
+    names the page in the messages of a multi-page run; it is no part of what is trained.
     """
 
     image: npt.NDArray[np.uint8]
     masks: dict[str, npt.NDArray[np.bool_]]
+    name: str = ""
 
     @property
     def height(self) -> int:
