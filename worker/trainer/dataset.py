@@ -19,7 +19,7 @@ in ``benchmarks/README.md`` ("Input pipeline", "Trainer").
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -48,7 +48,24 @@ def split_validation(centres: Centres, validation_split: float) -> tuple[Centres
     """Split like Keras' ``fit(validation_split=...)``: the last part, in order, validates.
 
     The training part is the first ``floor(n * (1 - validation_split))`` samples.
+
+    Centres of several pages (``(page, row, col)`` rows, grouped by page as
+    :func:`~worker.trainer.sampling.sample_pages_centres` draws them) are split page by
+    page: the last part of every page's centres validates, so every page is held out in
+    proportion to its samples (and the training part is every page's first part, in page
+    order). With ``(row, col)`` centres (one page) this is the plain split.
     """
+    centres = np.asarray(centres)
+    if centres.ndim == 2 and centres.shape[1] == 3 and len(centres):
+        pages = centres[:, 0]
+        starts = np.flatnonzero(np.r_[True, pages[1:] != pages[:-1]])
+        stops = np.r_[starts[1:], len(centres)]
+        train, validation = [], []
+        for start, stop in zip(starts, stops, strict=True):
+            split_at = start + math.floor((stop - start) * (1.0 - validation_split))
+            train.append(centres[start:split_at])
+            validation.append(centres[split_at:stop])
+        return np.concatenate(train), np.concatenate(validation)
     split_at = math.floor(len(centres) * (1.0 - validation_split))
     return centres[:split_at], centres[split_at:]
 
@@ -83,6 +100,11 @@ def to_network_batch(raw: RawBatch) -> Batch:
 class PatchDataset:
     """The ``(x, y)`` batches of one layer (``fit`` reads them through :func:`training_input`).
 
+    One page (``image``, ``mask`` arrays, ``(n, 2)`` ``(row, col)`` centres) or several
+    (``image``, ``mask`` and ``bgr`` sequences, one per page, and ``(n, 3)``
+    ``(page, row, col)`` centres): every batch is cut from the pages its samples lie on, page
+    by page, into one uint8 block; no page is copied, whatever their number.
+
     ``x`` is float32 ``(b, ph, pw, 3)`` (see :func:`network_input`), ``y`` float32
     ``(b, ph, pw, 1)``, 1 where the layer is. With ``shuffle_rng``, :meth:`shuffle` draws a
     fresh permutation from it (the trainer calls it at the start of every epoch, see
@@ -112,8 +134,8 @@ class PatchDataset:
 
     def __init__(
         self,
-        image: npt.NDArray[np.uint8],
-        mask: npt.NDArray[np.bool_],
+        image: npt.NDArray[np.uint8] | Sequence[npt.NDArray[np.uint8]],
+        mask: npt.NDArray[np.bool_] | Sequence[npt.NDArray[np.bool_]],
         centres: Centres,
         patch_height: int,
         patch_width: int,
@@ -122,15 +144,34 @@ class PatchDataset:
         multiple_of: int = 1,
         weigh_for: Literal["loss", "accuracy"] = "loss",
         *,
-        bgr: npt.NDArray[np.uint8] | None = None,
+        bgr: npt.NDArray[np.uint8] | Sequence[npt.NDArray[np.uint8]] | None = None,
     ) -> None:
+        images = [image] if isinstance(image, np.ndarray) else list(image)
+        masks = [mask] if isinstance(mask, np.ndarray) else list(mask)
         if bgr is None:
-            bgr = network_order(image)
-        elif bgr.shape != image.shape:
-            raise ValueError(f"the BGR page is {bgr.shape}, the page {image.shape}")
-        self._images = sliding_window_view(bgr, (patch_height, patch_width, image.shape[2]))
-        self._masks = sliding_window_view(mask, (patch_height, patch_width))
-        self._corners = np.asarray(centres, dtype=np.int64) - np.array([patch_height // 2, patch_width // 2])
+            bgrs = [network_order(page) for page in images]
+        else:
+            bgrs = [bgr] if isinstance(bgr, np.ndarray) else list(bgr)
+        if not images or len(masks) != len(images) or len(bgrs) != len(images):
+            raise ValueError(f"{len(images)} images, {len(masks)} masks and {len(bgrs)} BGR pages")
+        for page, page_bgr in zip(images, bgrs, strict=True):
+            if page_bgr.shape != page.shape:
+                raise ValueError(f"the BGR page is {page_bgr.shape}, the page {page.shape}")
+        self._images = [sliding_window_view(b, (patch_height, patch_width, b.shape[2])) for b in bgrs]
+        self._masks = [sliding_window_view(m, (patch_height, patch_width)) for m in masks]
+        centres = np.asarray(centres, dtype=np.int64)
+        # The page of every sample, None with one page (then batches are cut as they always were).
+        self._pages: npt.NDArray[np.int64] | None = None
+        if centres.ndim == 2 and centres.shape[1] == 3:
+            pages = centres[:, 0]
+            if len(pages) and (pages.min() < 0 or pages.max() >= len(images)):
+                raise ValueError(f"centres on pages {pages.min()}..{pages.max()} of {len(images)}")
+            if len(images) > 1:
+                self._pages = np.ascontiguousarray(pages)
+            centres = centres[:, 1:]
+        elif len(images) > 1:
+            raise ValueError(f"{len(images)} pages need (page, row, col) centres, not {centres.shape}")
+        self._corners = centres - np.array([patch_height // 2, patch_width // 2])
         self._batch_size = batch_size
         self._patch_shape = (patch_height, patch_width)
         self._rng = shuffle_rng
@@ -194,12 +235,29 @@ class PatchDataset:
         if real % self._multiple_of:  # the last batch: top it up with its own patches
             chosen = np.resize(chosen, -(-real // self._multiple_of) * self._multiple_of)
         rows, cols = self._corners[chosen, 0], self._corners[chosen, 1]
-        patches, masks = self._images[rows, cols, 0], self._masks[rows, cols]
+        if self._pages is None:
+            patches, masks = self._images[0][rows, cols, 0], self._masks[0][rows, cols]
+        else:
+            patches, masks = self._cut_pages(self._pages[chosen], rows, cols)
         if self._multiple_of == 1:
             return patches, masks
         weights = np.zeros((len(chosen), 1, 1), dtype=np.float32)  # broadcast over each patch's pixels
         weights[:real] = len(chosen) / real if self._weigh_for == "loss" else 1.0
         return patches, masks, weights
+
+    def _cut_pages(
+        self, pages: npt.NDArray[np.int64], rows: npt.NDArray[np.int64], cols: npt.NDArray[np.int64]
+    ) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.bool_]]:
+        """The patches and masks at ``(pages[i], rows[i], cols[i])``, in that order: one cut per page present."""
+        height, width = self._patch_shape
+        channels = self._images[0].shape[-1]
+        patches = np.empty((len(pages), height, width, channels), dtype=np.uint8)
+        masks = np.empty((len(pages), height, width), dtype=np.bool_)
+        for page in np.unique(pages).tolist():  # a few pages per batch at most: one cut each
+            where = np.flatnonzero(pages == page)
+            patches[where] = self._images[page][rows[where], cols[where], 0]
+            masks[where] = self._masks[page][rows[where], cols[where]]
+        return patches, masks
 
     def batch(self, chosen: npt.NDArray[np.int64]) -> Batch:
         """The ``(x, y)`` batch of the samples ``chosen``, ``(x, y, w)`` with several replicas."""

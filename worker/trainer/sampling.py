@@ -38,6 +38,17 @@ Each of the ``1 + len(masks)`` trial sequences has its own random stream, spawne
 original's order (row-major, as appended), which matters because the validation split takes
 the last ones. The same seed gives the same samples; it does not give the original loop's
 samples for that seed, since the random numbers are drawn differently.
+
+**Several pages** (Rodan 3.x trains each layer over all its samples at once):
+:func:`sample_pages_centres` walks every page as above, but ``count[l]`` is the layer's pixels
+on *all* pages, so the cap applies to the total and ``ratio[l] = factor * cap / total[l]`` is
+the same on every page: page ``i``'s share of layer ``l``'s ``cap`` is ``count_i[l] / total[l]``,
+in proportion to the layer's pixels there (none where the layer is not painted). The pages take
+their random streams from the generator one after the other, so the samples depend on the seed
+alone, and one page gives exactly :func:`sample_centres`' samples. Centres carry their page:
+``(page, row, col)``, page by page, row-major within a page; the validation split then holds out
+the last part of every page (:func:`worker.trainer.dataset.split_validation`). Memory stays that
+of one band: the pages are walked one after the other.
 """
 
 from __future__ import annotations
@@ -158,33 +169,116 @@ def sample_centres(
     the same 2-D shape and at least one (nonzero) pixel. ``band_rows`` only bounds the
     memory used; the centres drawn depend on ``rng``'s state alone.
     """
-    if factor <= 0:
-        raise ValueError(f"the sampling factor must be positive, not {factor}")
-    if band_rows < 1:
-        raise ValueError(f"band_rows must be at least 1, not {band_rows}")
+    _check_arguments(factor, band_rows)
     labels = list(masks)
     if not labels:
         return {}
-    arrays = [np.asarray(masks[label]) for label in labels]  # views: never a copy of a mask
-    shape = arrays[0].shape
-    if len(shape) != 2 or any(array.shape != shape for array in arrays):
-        raise ValueError(f"the masks must all have the same 2-D shape, not {[a.shape for a in arrays]}")
-    height, width = shape
+    arrays = _page_arrays(masks)
     counts = {label: int(np.count_nonzero(array)) for label, array in zip(labels, arrays, strict=True)}
     if min(counts.values()) == 0:
         raise ValueError("every mask needs at least one pixel")
     ratios = selection_ratios(counts, max_samples_per_label, factor)
+    found = _draw_page(arrays, [ratios[label] for label in labels], patch_height, patch_width, rng, factor, band_rows)
+    return dict(zip(labels, found, strict=True))
 
+
+def sample_pages_centres(
+    pages: Sequence[Mapping[str, npt.NDArray[np.bool_]]],
+    patch_height: int,
+    patch_width: int,
+    max_samples_per_label: int,
+    rng: np.random.Generator,
+    factor: float = SAMPLING_FACTOR,
+    *,
+    band_rows: int = BAND_ROWS,
+) -> dict[str, Centres]:
+    """Draw every layer's centres over several pages (the masks of each page, same labels, same order).
+
+    **Semantics.** The per-label cap of :func:`samples_per_label` applies to the *total* over
+    the pages: ``cap = min(min over layers of the layer's pixels on all pages,
+    max_samples_per_label)``, and it is allotted to the pages in proportion to the layer's
+    pixels on each: page ``i`` gets ``cap_i[l] = cap * count_i[l] / total[l]``, which makes
+    the second test's ratio ``factor * cap_i[l] / count_i[l] = factor * cap / total[l]`` the
+    same on every page. Each page is then walked exactly as :func:`sample_centres` walks one
+    page (its own first test, its own streams), with that ratio. So a layer gets about
+    ``cap`` samples in all (as on one page), each page contributing about its share of the
+    layer's pixels, and a page where a layer has no pixels contributes none of that layer
+    (but the layer needs pixels on some page).
+
+    The pages draw their streams from ``rng`` one after the other (four integers each, as
+    :func:`sample_centres` does), so the samples depend on ``rng``'s state alone; with one
+    page they are exactly :func:`sample_centres`' (plus the page column).
+
+    Returns, per label in the pages' order, an ``(n, 3)`` int64 array of ``(page, row, col)``:
+    page 0's centres in row-major order, then page 1's, and so on.
+    """
+    _check_arguments(factor, band_rows)
+    if not pages:
+        return {}
+    labels = list(pages[0])
+    for index, masks in enumerate(pages):
+        if list(masks) != labels:
+            raise ValueError(f"page {index + 1} has the layers {list(masks)}, page 1 {labels}")
+    if not labels:
+        return {}
+    per_page = [_page_arrays(masks) for masks in pages]
+    totals = {label: 0 for label in labels}
+    for arrays in per_page:
+        for label, array in zip(labels, arrays, strict=True):
+            totals[label] += int(np.count_nonzero(array))
+    if min(totals.values()) == 0:
+        raise ValueError("every layer needs at least one pixel on some page")
+    ratios = selection_ratios(totals, max_samples_per_label, factor)
+    found: list[list[Centres]] = [[] for _ in labels]
+    for page_index, arrays in enumerate(per_page):
+        drawn = _draw_page(
+            arrays, [ratios[label] for label in labels], patch_height, patch_width, rng, factor, band_rows
+        )
+        for parts, centres in zip(found, drawn, strict=True):
+            tagged = np.empty((len(centres), 3), dtype=np.int64)
+            tagged[:, 0] = page_index
+            tagged[:, 1:] = centres
+            parts.append(tagged)
+    return {label: np.concatenate(parts) for label, parts in zip(labels, found, strict=True)}
+
+
+def _check_arguments(factor: float, band_rows: int) -> None:
+    if factor <= 0:
+        raise ValueError(f"the sampling factor must be positive, not {factor}")
+    if band_rows < 1:
+        raise ValueError(f"band_rows must be at least 1, not {band_rows}")
+
+
+def _page_arrays(masks: Mapping[str, npt.NDArray[np.bool_]]) -> list[npt.NDArray[np.bool_]]:
+    """The masks of one page as arrays (views: never a copy of a mask), checked to share one 2-D shape."""
+    arrays = [np.asarray(mask) for mask in masks.values()]
+    shape = arrays[0].shape if arrays else ()
+    if len(shape) != 2 or any(array.shape != shape for array in arrays):
+        raise ValueError(f"the masks must all have the same 2-D shape, not {[a.shape for a in arrays]}")
+    return arrays
+
+
+def _draw_page(
+    arrays: Sequence[npt.NDArray[np.bool_]],
+    ratios: Sequence[float],
+    patch_height: int,
+    patch_width: int,
+    rng: np.random.Generator,
+    factor: float,
+    band_rows: int,
+) -> list[Centres]:
+    """One page's ``(n, 2)`` centres per layer: the walk of the module docstring with these ratios."""
+    height, width = arrays[0].shape
     # One independent stream per trial sequence, all derived from rng's state.
-    seeds = np.random.SeedSequence(rng.integers(0, 2**63, size=4)).spawn(1 + len(labels))
+    seeds = np.random.SeedSequence(rng.integers(0, 2**63, size=4)).spawn(1 + len(arrays))
     streams = [np.random.default_rng(seed) for seed in seeds]
     passing = BernoulliTrials(streams[0], 1.0 / factor)
-    taking = [BernoulliTrials(stream, ratios[label]) for stream, label in zip(streams[1:], labels, strict=True)]
+    taking = [BernoulliTrials(stream, ratio) for stream, ratio in zip(streams[1:], ratios, strict=True)]
     # Looking pixels up by their flat index is twice as fast, where the mask allows it.
     flat = [array.reshape(-1) if array.flags.c_contiguous else None for array in arrays]
 
     rows, cols = centre_ranges(height, width, patch_height, patch_width)
-    found: list[list[Centres]] = [[] for _ in labels]
+    found: list[list[Centres]] = [[] for _ in arrays]
     passed_before = 0  # candidates that passed the first test in earlier bands
     if len(rows) > 0 and len(cols) > 0:
         for band_start in range(0, len(rows), band_rows):
@@ -207,10 +301,7 @@ def sample_centres(
                 if covered.any():
                     found[index].append(np.stack([r[covered], c[covered]], axis=1))
             passed_before += passed
-    result: dict[str, Centres] = {}
-    for label, parts in zip(labels, found, strict=True):
-        result[label] = np.concatenate(parts) if parts else np.empty((0, 2), dtype=np.int64)
-    return result
+    return [np.concatenate(parts) if parts else np.empty((0, 2), dtype=np.int64) for parts in found]
 
 
 def run_centres(
@@ -225,3 +316,19 @@ def run_centres(
     other children seed the layers' shuffling and initial weights)."""
     sampling_seed = np.random.SeedSequence(seed).spawn(1)[0]
     return sample_centres(masks, patch_height, patch_width, max_samples_per_label, np.random.default_rng(sampling_seed))
+
+
+def run_pages_centres(
+    pages: Sequence[Mapping[str, npt.NDArray[np.bool_]]],
+    patch_height: int,
+    patch_width: int,
+    max_samples_per_label: int,
+    seed: int | None,
+) -> dict[str, Centres]:
+    """The ``(page, row, col)`` centres :func:`worker.trainer.train.train_pages` trains on with
+    ``seed`` over several pages: :func:`sample_pages_centres` with the generator
+    :func:`run_centres` uses (so page 0 of a one-page list gets :func:`run_centres`' centres)."""
+    sampling_seed = np.random.SeedSequence(seed).spawn(1)[0]
+    return sample_pages_centres(
+        pages, patch_height, patch_width, max_samples_per_label, np.random.default_rng(sampling_seed)
+    )

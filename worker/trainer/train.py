@@ -1,5 +1,12 @@
 """Train one SAE per layer and save each layer's best epoch as a legacy Keras HDF5 file.
 
+**Pages.** :func:`train_pages` trains each layer over several pages at once (Rodan 3.x's
+samples): samples drawn across the pages (:func:`~worker.trainer.sampling.sample_pages_centres`),
+every page holding out its own last part for validation, batches cut from the uint8 pages as
+they are needed (one BGR copy of every page for the whole run, never a copy per layer), and
+optional starting models (:mod:`worker.trainer.starting`). :func:`train_page` is its one-page
+case, unchanged: the same samples, weights, files and checkpoints as before.
+
 **Checkpoints.** With a :class:`~worker.trainer.checkpoint.CheckpointStore`,
 :func:`train_page` saves the whole state of the run (see
 :mod:`worker.trainer.checkpoint`) before the first layer, at every epoch end and after
@@ -56,47 +63,91 @@ from worker.trainer.journal import CheckpointJournal, Journal, NoCheckpoints, No
 from worker.trainer.model import build_sae
 from worker.trainer.page import Page
 from worker.trainer.rundir import RunDirectory
-from worker.trainer.sampling import Centres, centre_ranges, run_centres
+from worker.trainer.sampling import Centres, centre_ranges, run_centres, run_pages_centres
 from worker.trainer.saving import LabelResult, model_file_names, save_model
 from worker.trainer.settings import TrainSettings
+from worker.trainer.starting import file_digest, read_starting_model
 
 log = logging.getLogger(__name__)
 
 
 def check_page(page: Page, settings: TrainSettings) -> None:
     """Raise TrainingInputError for a page the settings cannot train on."""
-    image = page.image
-    if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
-        raise ValueError(f"page.image must be uint8 (H, W, 3), not {image.dtype} {image.shape}")
-    if not page.masks:
-        raise TrainingInputError("the page has no layers to train")
-    height, width = page.height, page.width
-    for label, mask in page.masks.items():
-        if mask.ndim != 2:
-            raise ValueError(f"the mask of layer {label!r} has shape {mask.shape}, not (height, width)")
-        if mask.shape != (height, width):
-            raise TrainingInputError(
-                f"layer {label!r} is {mask.shape[1]}x{mask.shape[0]} pixels but the image is {width}x{height}"
-            )
-    ph, pw = settings.patch_height, settings.patch_width
-    if ph > height or pw > width:
-        raise TrainingInputError(
-            f"the patch ({pw}x{ph} pixels) is larger than the page ({width}x{height}); "
-            "choose a smaller patch width and height"
-        )
-    rows, cols = centre_ranges(height, width, ph, pw)
-    if len(rows) == 0 or len(cols) == 0:
-        raise TrainingInputError(
-            f"the page ({width}x{height} pixels) is too small for {pw}x{ph} patches: patches are "
-            f"centred at least one patch width/height from the border, so the page must be at least "
-            f"{2 * pw + 2}x{2 * ph + 2}; choose a smaller patch width and height"
-        )
+    check_page_shape(page, settings)
     for label, mask in page.masks.items():
         if not np.any(mask):
             raise TrainingInputError(
                 f"layer {label!r} has no pixels inside the selected regions; "
                 "paint some of it there or leave the layer out"
             )
+
+
+def page_name(pages: Sequence[Page], index: int) -> str:
+    """``page 2`` or ``page 2 (name)``: how messages name a page of a multi-page run (1-based)."""
+    name = pages[index].name
+    return f"page {index + 1} ({name})" if name else f"page {index + 1}"
+
+
+def check_pages(pages: Sequence[Page], settings: TrainSettings) -> None:
+    """Raise TrainingInputError for pages the settings cannot train on together.
+
+    One page: :func:`check_page`. Several: every page has the layers of the first, in the same
+    order (the message names the page and both lists), passes :func:`check_page_shape`, and
+    every layer has pixels inside the selected regions on at least one page (a page may lack
+    a layer: it then gives that layer no samples).
+    """
+    if not pages:
+        raise TrainingInputError("there are no pages to train on")
+    if len(pages) == 1:
+        check_page(pages[0], settings)
+        return
+    labels = list(pages[0].masks)
+    for index, page in enumerate(pages):
+        if list(page.masks) != labels:
+            raise TrainingInputError(
+                f"{page_name(pages, index)} has the layers {list(page.masks)}, {page_name(pages, 0)} has {labels}: "
+                "every page must have the same layers in the same order"
+            )
+    for index, page in enumerate(pages):
+        check_page_shape(page, settings, f"{page_name(pages, index)}: ")
+    for label in labels:
+        if not any(np.any(page.masks[label]) for page in pages):
+            raise TrainingInputError(
+                f"layer {label!r} has no pixels inside the selected regions on any of the {len(pages)} pages; "
+                "paint some of it there or leave the layer out"
+            )
+
+
+def check_page_shape(page: Page, settings: TrainSettings, where: str = "") -> None:
+    """Raise TrainingInputError for a page whose layers or size the settings cannot train on
+    (everything :func:`check_page` checks except that every layer has pixels); the messages
+    start with ``where`` (e.g. ``"page 2: "``)."""
+    image = page.image
+    if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
+        raise ValueError(f"page.image must be uint8 (H, W, 3), not {image.dtype} {image.shape}")
+    if not page.masks:
+        raise TrainingInputError(f"{where}the page has no layers to train")
+    height, width = page.height, page.width
+    for label, mask in page.masks.items():
+        if mask.ndim != 2:
+            raise ValueError(f"the mask of layer {label!r} has shape {mask.shape}, not (height, width)")
+        if mask.shape != (height, width):
+            raise TrainingInputError(
+                f"{where}layer {label!r} is {mask.shape[1]}x{mask.shape[0]} pixels but the image is {width}x{height}"
+            )
+    ph, pw = settings.patch_height, settings.patch_width
+    if ph > height or pw > width:
+        raise TrainingInputError(
+            f"{where}the patch ({pw}x{ph} pixels) is larger than the page ({width}x{height}); "
+            "choose a smaller patch width and height"
+        )
+    rows, cols = centre_ranges(height, width, ph, pw)
+    if len(rows) == 0 or len(cols) == 0:
+        raise TrainingInputError(
+            f"{where}the page ({width}x{height} pixels) is too small for {pw}x{ph} patches: patches are "
+            f"centred at least one patch width/height from the border, so the page must be at least "
+            f"{2 * pw + 2}x{2 * ph + 2}; choose a smaller patch width and height"
+        )
 
 
 def minimum_samples(validation_split: float) -> int:
@@ -112,14 +163,22 @@ def minimum_samples(validation_split: float) -> int:
 def check_samples(centres: dict[str, Centres], settings: TrainSettings) -> None:
     """Raise TrainingInputError if a layer got too few samples to train and validate."""
     needed = minimum_samples(settings.validation_split)
+    advice = (
+        "Patches are centred on the layer's pixels away from the page border and on about one pixel "
+        "in a hundred: paint more of the layer (and of every other layer, since all share the smallest "
+        "layer's budget), raise the maximum number of samples per label, or choose a smaller patch size"
+    )
     for label, found in centres.items():
         if len(found) < needed:
             raise TrainingInputError(
                 f"only {len(found)} patches could be sampled for layer {label!r}, at least {needed} are "
-                "needed (some are held out for validation). Patches are centred on the layer's pixels "
-                "away from the page border and on about one pixel in a hundred: paint more of the "
-                "layer (and of every other layer, since all share the smallest layer's budget), raise "
-                "the maximum number of samples per label, or choose a smaller patch size"
+                f"needed (some are held out for validation). {advice}"
+            )
+        train, validation = split_validation(found, settings.validation_split)
+        if len(train) == 0 or len(validation) == 0:  # several pages: each holds out its own last part
+            raise TrainingInputError(
+                f"the {len(found)} patches sampled for layer {label!r} are spread too thinly over the pages "
+                f"to hold some of every page's out for validation and train on the rest. {advice}"
             )
 
 
@@ -138,41 +197,85 @@ RUN_SETTINGS = (
 )
 
 
-def run_identity(page: Page, settings: TrainSettings) -> dict[str, Any]:
-    """What identifies a run in its checkpoints: the page (size, labels, a digest of its
-    pixels and masks) and the :data:`RUN_SETTINGS`."""
+def page_identity(page: Page) -> dict[str, Any]:
+    """A page in a run's identity: its size, labels and a digest of its pixels and masks."""
     digest = hashlib.blake2b(digest_size=16)
     digest.update(np.ascontiguousarray(page.image).tobytes())
     for label, mask in page.masks.items():
         digest.update(label.encode() + b"\0")
         digest.update(np.packbits(np.asarray(mask, dtype=bool)).tobytes())
-    return {
-        "page": {"height": page.height, "width": page.width, "labels": list(page.masks), "digest": digest.hexdigest()},
-        "settings": {name: getattr(settings, name) for name in RUN_SETTINGS},
-    }
+    return {"height": page.height, "width": page.width, "labels": list(page.masks), "digest": digest.hexdigest()}
+
+
+def run_identity(page: Page, settings: TrainSettings) -> dict[str, Any]:
+    """What identifies a run in its checkpoints: the page (size, labels, a digest of its
+    pixels and masks) and the :data:`RUN_SETTINGS`."""
+    return {"page": page_identity(page), "settings": {name: getattr(settings, name) for name in RUN_SETTINGS}}
+
+
+def pages_identity(
+    pages: Sequence[Page], settings: TrainSettings, starting_models: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """What identifies a run of :func:`train_pages` in its checkpoints.
+
+    One page without starting models: :func:`run_identity`, so that a one-page run's
+    checkpoints are those :func:`train_page` always wrote. Several pages: ``"pages"``, every
+    page's :func:`page_identity` in order. With starting models, ``"starting_models"``: label ->
+    SHA-256 of the file.
+    """
+    if len(pages) == 1:
+        run = run_identity(pages[0], settings)
+    else:
+        run = {
+            "pages": [page_identity(page) for page in pages],
+            "settings": {name: getattr(settings, name) for name in RUN_SETTINGS},
+        }
+    if starting_models:
+        run["starting_models"] = dict(starting_models)
+    return run
+
+
+def _page_differences(old_page: Mapping[str, Any], new_page: Mapping[str, Any], which: str) -> list[str]:
+    if (old_page.get("width"), old_page.get("height")) != (new_page["width"], new_page["height"]):
+        return [
+            f"{which} is {new_page['width']}x{new_page['height']} pixels, "
+            f"the checkpoint's {old_page.get('width')}x{old_page.get('height')}"
+        ]
+    if old_page.get("labels") != new_page["labels"]:
+        return [f"the layers are {new_page['labels']}, the checkpoint's {old_page.get('labels')}"]
+    if old_page.get("digest") != new_page["digest"]:
+        return [f"{which}'s image or layers differ from the checkpoint's"]
+    return []
 
 
 def check_same_run(saved: Mapping[str, Any], current: Mapping[str, Any], where: object) -> None:
     """Raise TrainingInputError, naming what differs, unless ``saved`` and ``current`` identify the same run."""
     differences = []
-    old_page, new_page = saved.get("page", {}), current["page"]
-    if (old_page.get("width"), old_page.get("height")) != (new_page["width"], new_page["height"]):
-        differences.append(
-            f"the page is {new_page['width']}x{new_page['height']} pixels, "
-            f"the checkpoint's {old_page.get('width')}x{old_page.get('height')}"
-        )
-    elif old_page.get("labels") != new_page["labels"]:
-        differences.append(f"the layers are {new_page['labels']}, the checkpoint's {old_page.get('labels')}")
-    elif old_page.get("digest") != new_page["digest"]:
-        differences.append("the page's image or layers differ from the checkpoint's")
+    old_pages = saved["pages"] if "pages" in saved else [saved.get("page", {})]
+    new_pages = current["pages"] if "pages" in current else [current["page"]]
+    several = len(new_pages) > 1
+    if len(old_pages) != len(new_pages):
+        differences.append(f"the run has {len(new_pages)} page(s), the checkpoint's {len(old_pages)}")
+    else:
+        for index, (old_page, new_page) in enumerate(zip(old_pages, new_pages, strict=True)):
+            which = f"page {index + 1}" if several else "the page"
+            differences.extend(_page_differences(old_page, new_page, which))
     old_settings = saved.get("settings", {})
     for name, value in current["settings"].items():
         if old_settings.get(name) != value:
             differences.append(f"{name} is {value!r}, the checkpoint's {old_settings.get(name)!r}")
+    old_models, new_models = saved.get("starting_models") or {}, current.get("starting_models") or {}
+    if old_models != new_models:
+        changed = sorted(k for k in {*old_models, *new_models} if old_models.get(k) != new_models.get(k))
+        differences.append(f"the starting models of {', '.join(map(repr, changed))} differ from the checkpoint's")
     if differences:
         raise TrainingInputError(
             f"the checkpoints in {where} belong to another training run ({'; '.join(differences)}); "
-            "they cannot be resumed with this page and these settings: remove them or start a new run"
+            + (
+                "they cannot be resumed with these pages and these settings: remove them or start a new run"
+                if several
+                else "they cannot be resumed with this page and these settings: remove them or start a new run"
+            )
         )
 
 
@@ -361,7 +464,7 @@ class LayerLoop(keras.callbacks.Callback):  # type: ignore[misc]
 
 
 def train_label(
-    page: Page,
+    page: Page | Sequence[Page],
     label: str,
     centres: Centres,
     settings: TrainSettings,
@@ -374,9 +477,14 @@ def train_label(
     save: SaveLayer | None = None,
     stop_requested: Callable[[], bool] | None = None,
     models: ModelReuse | None = None,
-    bgr: npt.NDArray[np.uint8] | None = None,
+    bgr: npt.NDArray[np.uint8] | Sequence[npt.NDArray[np.uint8]] | None = None,
+    initial_weights: Sequence[npt.NDArray[Any]] | None = None,
 ) -> LabelResult:
-    """Train a fresh SAE on ``label``'s samples and return its best epoch.
+    """Train a fresh SAE (or one with ``initial_weights``) on ``label``'s samples and return its best epoch.
+
+    ``page`` is one page, with ``(row, col)`` centres, or a sequence of pages, with
+    ``(page, row, col)`` centres (see :func:`~worker.trainer.sampling.sample_pages_centres`);
+    the split into training and validation samples is :func:`split_validation`'s (per page).
 
     The first ``1 - validation_split`` of ``centres`` train (in a new order every epoch,
     drawn from ``shuffle_rng``), the rest validate, ``settings.batch_size`` patches per step
@@ -392,7 +500,10 @@ def train_label(
     (see the module docstring), which raises TrainingInterrupted. ``models`` lends a model
     already traced by an earlier layer (see :class:`ModelReuse`); without it one is built.
     ``bgr`` is the page in the network's channel order (:func:`network_order`), made once per
-    page by :func:`train_page`; without it, it is made here.
+    page by :func:`train_pages` (a sequence with several pages); without it, it is made here.
+    ``initial_weights`` (those of ``build_sae(...).get_weights()``, see
+    :mod:`worker.trainer.starting`) replace the drawn weights before the first epoch; the
+    optimizer starts fresh. A resumed layer continues from its checkpoint's weights instead.
     """
     train_centres, validation_centres = split_validation(centres, settings.validation_split)
     if len(train_centres) == 0 or len(validation_centres) == 0:
@@ -402,16 +513,21 @@ def train_label(
         keras.utils.set_random_seed(init_seed)
     plan = plan_training(settings)  # the GPUs that share settings.batch_size evenly
     model = (models or ModelReuse()).model(plan, ph, pw)  # made inside plan.strategy.scope()
-    mask = np.asarray(page.masks[label], dtype=bool)
+    if initial_weights is not None:
+        with plan.strategy.scope():
+            model.set_weights(list(initial_weights))
+    pages = [page] if isinstance(page, Page) else list(page)
+    images = [p.image for p in pages]
+    masks = [np.asarray(p.masks[label], dtype=bool) for p in pages]
     batch = plan.global_batch_size
     replicas = plan.replicas  # every batch a multiple of this: an equal share per replica
     if bgr is None:
-        bgr = network_order(page.image)
+        bgr = [network_order(image) for image in images]
     train_data = PatchDataset(
-        page.image, mask, train_centres, ph, pw, batch, shuffle_rng=shuffle_rng, multiple_of=replicas, bgr=bgr
+        images, masks, train_centres, ph, pw, batch, shuffle_rng=shuffle_rng, multiple_of=replicas, bgr=bgr
     )
     validation_data = PatchDataset(
-        page.image, mask, validation_centres, ph, pw, batch, multiple_of=replicas, weigh_for="accuracy", bgr=bgr
+        images, masks, validation_centres, ph, pw, batch, multiple_of=replicas, weigh_for="accuracy", bgr=bgr
     )
     best = BestEpoch(keep_optimizer=settings.include_optimizer)
     stopper = EarlyStopper(settings.patience)
@@ -515,13 +631,51 @@ def train_page(
     the checkpoints. ``stop_requested`` (any callable, polled between batches; a signal
     handler should only set the flag it reads) makes training save a checkpoint and raise
     TrainingInterrupted; without ``checkpoints`` it still stops, but nothing is saved.
+
+    This is :func:`train_pages` with one page and no starting models.
     """
+    return train_pages(
+        [page], settings, out_dir, on_epoch, run_dir, checkpoints=checkpoints, stop_requested=stop_requested
+    )
+
+
+def train_pages(
+    pages: Sequence[Page],
+    settings: TrainSettings,
+    out_dir: Path,
+    on_epoch: EpochCallback | None = None,
+    run_dir: RunDirectory | None = None,
+    *,
+    checkpoints: CheckpointStore | None = None,
+    stop_requested: Callable[[], bool] | None = None,
+    initial_models: Mapping[str, Path] | None = None,
+) -> dict[str, Path]:
+    """Train one model per layer over all ``pages`` at once (in the first page's ``masks`` order) into ``out_dir``.
+
+    Every page must have the same labels in the same order (TrainingInputError naming the page
+    and both lists otherwise). Each layer's samples are drawn across all pages (see
+    :func:`~worker.trainer.sampling.sample_pages_centres`: the per-label cap applies to the
+    total, allotted to the pages in proportion to the layer's pixels on each), every page holds
+    out the last part of its own samples for validation (:func:`split_validation`), and one
+    model per layer trains on all of them; everything else is :func:`train_page`'s (whose
+    docstring this extends): the files, the run directory, the checkpoints, ``stop_requested``.
+    With one page the samples, the weights and the files are exactly :func:`train_page`'s.
+
+    ``initial_models`` maps labels to starting models (Keras HDF5 files): those layers start
+    from the file's weights instead of fresh ones (see :mod:`worker.trainer.starting`: the
+    architecture is checked against the SAE, layers are matched by order, any optimizer state
+    in the file is ignored). Every file is read and checked before anything trains; a label
+    that is not a layer of the pages raises TrainingInputError. The files' SHA-256 are part of
+    the run's identity in its checkpoints: a run resumes only with the same starting models.
+    """
+    pages = list(pages)
     outputs: RunOutputs = run_dir if run_dir is not None else NoRunDirectory()
     outputs.write_settings(dataclasses.asdict(settings))  # first: a run that fails on its input says how it was set
-    check_page(page, settings)
-    journal = open_journal(page, settings, checkpoints)
+    check_pages(pages, settings)
+    labels = list(pages[0].masks)
+    starting, digests = read_starting_models(initial_models or {}, labels, settings)
+    journal = open_journal(pages, settings, checkpoints, digests)
     check_samples(journal.centres, settings)
-    labels = list(page.masks)
     outputs.reserve_tensorboard_names(labels)  # the same directory per label whichever layer a run starts at
     journal.restore_records(outputs)
     record = journal.recording(outputs.epoch_callback(on_epoch))
@@ -529,7 +683,7 @@ def train_page(
 
     names = model_file_names(labels)
     models = ModelReuse()
-    bgr = network_order(page.image)  # once for every layer's datasets
+    bgr = [network_order(page.image) for page in pages]  # once for every layer's datasets
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Path] = {}
@@ -544,7 +698,7 @@ def train_page(
                 )  # fmt: skip
                 continue
             result = train_label(
-                page,
+                pages[0] if len(pages) == 1 else pages,
                 label,
                 journal.centres[label],
                 settings,
@@ -556,7 +710,8 @@ def train_page(
                 save=journal.save,
                 stop_requested=stop_requested,
                 models=models,
-                bgr=bgr,
+                bgr=bgr[0] if len(pages) == 1 else bgr,
+                initial_weights=starting.get(label),
             )
             paths[label] = save_model(result, target, settings)
             journal.layer_finished(result, paths[label])
@@ -571,28 +726,59 @@ def train_page(
     return paths
 
 
-def open_journal(page: Page, settings: TrainSettings, checkpoints: CheckpointStore | None) -> Journal:
+def read_starting_models(
+    initial_models: Mapping[str, Path], labels: Sequence[str], settings: TrainSettings
+) -> tuple[dict[str, list[npt.NDArray[np.float32]]], dict[str, str]]:
+    """Every starting model's weights (checked, see :mod:`worker.trainer.starting`) and SHA-256, by label."""
+    unknown = [label for label in initial_models if label not in labels]
+    if unknown:
+        raise TrainingInputError(
+            f"starting models were given for {', '.join(map(repr, unknown))}, which the pages have no layer of "
+            f"(their layers: {list(labels)})"
+        )
+    weights: dict[str, list[npt.NDArray[np.float32]]] = {}
+    digests: dict[str, str] = {}
+    for label in labels:  # in training order, so that the first bad file is the one reported
+        if label not in initial_models:
+            continue
+        path = Path(initial_models[label])
+        name = f"the starting model of layer {label!r} ({path.name})"
+        weights[label] = read_starting_model(path, name, settings.patch_height, settings.patch_width)
+        digests[label] = file_digest(path)
+        log.info("layer %r: starts from the weights of %s", label, path.name)
+    return weights, digests
+
+
+def open_journal(
+    pages: Sequence[Page],
+    settings: TrainSettings,
+    checkpoints: CheckpointStore | None,
+    starting_models: Mapping[str, str] | None = None,
+) -> Journal:
     """The run's journal: resumed from the latest checkpoint in ``checkpoints`` (which must be
-    of this page and these settings), else a new run's (its seed drawn if not set, its
-    samples drawn); without ``checkpoints``, one that saves nothing."""
+    of these pages, these settings and these starting models' digests), else a new run's (its
+    seed drawn if not set, its samples drawn); without ``checkpoints``, one that saves nothing."""
     if checkpoints is None:
-        return NoCheckpoints(settings.seed, _sample(page, settings, settings.seed))
-    run = run_identity(page, settings)
+        return NoCheckpoints(settings.seed, _sample(pages, settings, settings.seed))
+    run = pages_identity(pages, settings, starting_models)
     state = checkpoints.load_latest()
     if state is None:
         # kept in the checkpoints, so that a resumed run continues with it
         seed = settings.seed if settings.seed is not None else secrets.randbits(63)
-        return CheckpointJournal(checkpoints, run, seed, _sample(page, settings, seed), None)
+        return CheckpointJournal(checkpoints, run, seed, _sample(pages, settings, seed), None)
     check_same_run(state.run, run, checkpoints.directory)
     log.info(
         "resuming from checkpoint %d: %d of %d layers finished",
-        state.sequence, len(state.finished), len(page.masks),
+        state.sequence, len(state.finished), len(pages[0].masks),
     )  # fmt: skip
     return CheckpointJournal(checkpoints, run, state.seed, state.centres, state)
 
 
-def _sample(page: Page, settings: TrainSettings, seed: int | None) -> dict[str, Centres]:
-    return run_centres(page.masks, settings.patch_height, settings.patch_width, settings.max_samples_per_label, seed)
+def _sample(pages: Sequence[Page], settings: TrainSettings, seed: int | None) -> dict[str, Centres]:
+    ph, pw, cap = settings.patch_height, settings.patch_width, settings.max_samples_per_label
+    if len(pages) == 1:
+        return run_centres(pages[0].masks, ph, pw, cap, seed)
+    return run_pages_centres([page.masks for page in pages], ph, pw, cap, seed)
 
 
 def layer_seeds(seed: int | None, layers: int) -> list[tuple[np.random.SeedSequence, int | None]]:
