@@ -51,10 +51,9 @@ def test_one_job_tells_pages_settings_epochs_best_and_time(tmp_path: Path) -> No
         job="61",
         host="node7",
         continuation=0,
-        pages=["Sample 1 (320x384)", "Sample 2 (320x384)"],
         settings={"Batch Size": 8, "Patience": 15},
-        starting_models=["Background Model"],
     )
+    story.inputs(["Sample 1 (320x384)", "Sample 2 (320x384)"], ["Background Model"])
     for epoch, accuracy in enumerate([0.6, 0.8, 0.7], start=1):
         clock.now += 10
         story.epoch(record("Background", epoch, accuracy))
@@ -79,7 +78,8 @@ def test_one_job_tells_pages_settings_epochs_best_and_time(tmp_path: Path) -> No
 def test_a_continued_training_is_one_story(tmp_path: Path) -> None:
     clock = Clock()
     first = TrainingLog.open(tmp_path, clock=clock)
-    first.job_started(request="req-2", job="70", host="n1", continuation=0, pages=["Sample 1 (64x64)"])
+    first.job_started(request="req-2", job="70", host="n1", continuation=0)
+    first.inputs(["Sample 1 (64x64)"])
     first.epoch(record("Background", 1, 0.6))
     first.epoch(record("Background", 2, 0.9))
     clock.now += 600
@@ -89,6 +89,7 @@ def test_a_continued_training_is_one_story(tmp_path: Path) -> None:
     clock.now += 60
     second = TrainingLog.open(tmp_path, clock=clock)
     second.job_started(request="req-2", job="71", host="n2", continuation=1)
+    second.inputs(["Sample 1 (64x64)"])  # not told again
     second.epoch(record("Background", 2, 0.85))  # the epoch whose checkpoint was lost, trained again
     second.epoch(record("Background", 3, 0.7))
     clock.now += 600
@@ -96,6 +97,7 @@ def test_a_continued_training_is_one_story(tmp_path: Path) -> None:
     text = second.text()
     lines = text.splitlines()
     assert text.count("HPC training of request req-2") == 1
+    assert text.count("pages (1): Sample 1 (64x64)") == 1
     assert "job 70 on n1: started" in text
     assert "job 71 on n2: continued the training (continuation 1)" in text
     assert "job stopped by the time-limit warning at layer 'Background' epoch 3 batch 2 of 5 after 10 min 0 s" in text

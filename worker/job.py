@@ -31,7 +31,7 @@ from bridge.amqp import CONNECTION_ERRORS, connect
 from bridge.errors import BridgeError, BrokerUnavailable
 from bridge.handoff import JobParameters
 from bridge.logs import register_secret, tee_logs_to
-from bridge.protocol import error_reply, success_reply, without_private
+from bridge.protocol import Generation, InputRole, error_reply, success_reply, without_private
 from bridge.replies import ReplyBox
 from bridge.rodan import RodanClient
 from bridge.schedulers import own_job_id, scratch_variables
@@ -40,8 +40,10 @@ from bridge.version import package_version
 from worker import memory, onednn
 from worker.continuation import TimeLimitWarning, continue_job
 from worker.gpumon import GpuMonitor
+from worker.training_log import TrainingLog
 
 if TYPE_CHECKING:
+    from worker.trainer import Page
     from worker.trainer.checkpoint import CheckpointStore
     from worker.trainer.rundir import RunDirectory
     from worker.trainer.settings import TrainSettings
@@ -50,6 +52,8 @@ log = structlog.get_logger("worker")
 
 #: Folders of the run directory that only matter until the final reply is out.
 TRANSIENT_RUN_FOLDERS = ("inputs", "checkpoints")
+#: The reply key of the Log File (Rodan 3.x's output port; generation 3 only).
+LOG_FILE_KEY = "Log File"
 
 
 class StepFailed(Exception):
@@ -130,28 +134,42 @@ def run_job(params_path: Path) -> int:
         run_dir=str(run_dir.path),
         deadline=warning.deadline,
     )
+    story = TrainingLog.open(run_dir.path)
+    story.job_started(
+        request=params.correlation_id,
+        job=own_job_id(os.environ) or "",
+        host=os.uname().nodename,
+        continuation=params.continuation.count,
+        settings=story_settings(params),
+    )
     started = time.monotonic()
     workdir = Path(tempfile.mkdtemp(prefix="hpc-worker-", dir=os.environ.get("TMPDIR")))
     gpu_csv = run_dir.path / ("gpu.csv" if params.continuation.count == 0 else f"gpu-{params.continuation.count}.csv")
     try:
         with GpuMonitor(gpu_csv):
-            outcome = train_or_stop(params, workdir, run_dir, warning)
+            outcome = train_or_stop(params, workdir, run_dir, warning, story)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         run_dir.share()
     done: dict[str, str] = {}  # what the success event says of the models
     if isinstance(outcome, Stopped):
+        story.stopped(where=outcome.where, reason=warning.reason or "the time-limit warning")
         body = stopped(outcome, params, params_path, run_dir, warning)
         if body is None:
             return 0  # the next job carries on
         ok = False
     elif isinstance(outcome, StepFailed):
         log.error("job_failed", step=outcome.step, error=str(outcome.cause), error_type=type(outcome.cause).__name__)
-        body = error_reply(f"the training job failed while {outcome.step}: {_describe(outcome.cause, params)}")
+        cause = _describe(outcome.cause, params)
+        body = error_reply(f"the training job failed while {outcome.step}: {cause}")
+        story.failed(f"while {outcome.step}: {cause}")
         ok = False
     else:
         from worker.trainer.saving import MODEL_INPUT  # the trainer is imported: free
 
+        story.finished(list(outcome))
+        if params.generation is Generation.RODAN3:  # Rodan 3.x's Log File output
+            outcome = {**outcome, LOG_FILE_KEY: story.text().encode("utf-8")}
         body = success_reply(outcome)
         ok = True
         done["models_accept"] = MODEL_INPUT
@@ -174,6 +192,7 @@ def train_or_stop(
     workdir: Path,
     run_dir: RunDirectory,
     warning: TimeLimitWarning,
+    story: TrainingLog | None = None,
 ) -> dict[str, bytes] | Stopped | StepFailed:
     """Train with checkpoints in the run directory (node-local scratch, synced, where there is some)."""
     from worker.trainer import TrainingInterrupted
@@ -183,7 +202,7 @@ def train_or_stop(
     try:
         with open_checkpoints(run_dir.path / "checkpoints", local, params.continuation.sync_s) as store:
             try:
-                return train(params, workdir, run_dir, checkpoints=store, stop_requested=warning)
+                return train(params, workdir, run_dir, checkpoints=store, stop_requested=warning, story=story)
             except TrainingInterrupted as exc:
                 log.warning("training_stopped", reason=warning.reason, stopped_at=str(exc))
                 store.flush()  # the checkpoint is on persistent storage before the job goes
@@ -293,11 +312,13 @@ def train(
     *,
     checkpoints: CheckpointStore | None = None,
     stop_requested: TimeLimitWarning | None = None,
+    story: TrainingLog | None = None,
 ) -> dict[str, bytes]:
     """Download (or find), load, train; returns reply key -> HDF5 bytes. Raises StepFailed.
 
     Inputs go to the run directory's ``inputs/`` (persistent: a continuation finds them
-    there), or to ``workdir`` without a run directory.
+    there), or to ``workdir`` without a run directory. ``story`` (the Log File) hears of the
+    pages and of every epoch.
     """
     access = params.rodan
     rodan = RodanClient(access.base_url, token=access.token, timeout_s=access.timeout_s, retries=access.retries)
@@ -316,36 +337,110 @@ def train(
             raise StepFailed(f"downloading {name!r}", exc) from exc
         log.info("input_downloaded", input=name, bytes=result.bytes, seconds=round(result.seconds, 3))
 
-    try:
-        from worker.trainer import Page, TrainingInterrupted, load_page, train_page
-
-        layer_paths = {key: files[input_name] for input_name, key in params.layers}
-        page: Page = load_page(
-            files["Image"], layer_paths, files.get("Selected Regions"), max_pixels=params.limits.max_input_pixels
+    if params.generation is Generation.RODAN3:
+        pages, reply_keys, starting = read_rodan3_inputs(params, files, workdir)
+    else:
+        pages, reply_keys, starting = read_page_inputs(params, files), {key: key for _, key in params.layers}, {}
+    if story is not None:
+        story.inputs(
+            [f"{page.name or 'the page'} ({page.width}x{page.height} pixels)" for page in pages],
+            [reply_keys[label] for label in starting],
         )
-    except Exception as exc:
-        raise StepFailed("reading the input images", exc) from exc
     try:
         settings = train_settings(params)
     except ValueError as exc:  # TrainingInputError: a value the trainer cannot use
         raise StepFailed("reading the training settings", exc) from exc
     out_dir = workdir / "models"
     out_dir.mkdir()
+
+    def on_epoch(event: dict[str, Any]) -> None:
+        log.info("epoch", **event)
+        if story is not None:
+            story.epoch(event)
+
+    from worker.trainer import TrainingInterrupted, train_pages
+
     try:
-        paths = train_page(
-            page,
+        paths = train_pages(
+            pages,
             settings,
             out_dir,
-            on_epoch=lambda event: log.info("epoch", **event),
+            on_epoch=on_epoch,
             run_dir=run_dir,
             checkpoints=checkpoints,
             stop_requested=stop_requested,
+            initial_models=starting or None,
         )
     except TrainingInterrupted:
         raise  # checkpointed: the caller continues the job
     except Exception as exc:
         raise StepFailed("training", exc) from exc
-    return {key: Path(paths[key]).read_bytes() for _, key in params.layers}
+    return {reply_keys[label]: Path(paths[label]).read_bytes() for label in reply_keys}
+
+
+def read_page_inputs(params: JobParameters, files: Mapping[str, Path]) -> list[Page]:
+    """The older generations' one page: the image, its layers (labelled by reply key) and the selected regions."""
+    try:
+        from worker.trainer import load_page
+
+        layer_paths = {key: files[input_name] for input_name, key in params.layers}
+        return [
+            load_page(
+                files["Image"], layer_paths, files.get("Selected Regions"), max_pixels=params.limits.max_input_pixels
+            )
+        ]
+    except Exception as exc:
+        raise StepFailed("reading the input images", exc) from exc
+
+
+def read_rodan3_inputs(
+    params: JobParameters, files: Mapping[str, Path], workdir: Path
+) -> tuple[list[Page], dict[str, str], dict[str, Path]]:
+    """Generation 3: the pages of the sample zips, label -> reply key, and label -> starting model.
+
+    The layers come from the zips (``Background``, ``Layer 1`` ...; reply keys ``Background
+    Model``, ``Model 1`` ...); a starting model given for a layer the samples do not have is an
+    error, as Rodan's own trainer cannot use it either.
+    """
+    from worker.sample_zips import model_name, read_sample_inputs
+
+    try:
+        samples = read_sample_inputs(
+            {name: files[name] for name, role in params.roles.items() if role is not InputRole.MODEL},
+            workdir / "samples",
+            max_pixels=params.limits.max_input_pixels,
+        )
+    except Exception as exc:
+        raise StepFailed("reading the sample zips", exc) from exc
+    pages = [sample.page for sample in samples]
+    reply_keys = {label: model_name(label) for label in pages[0].masks}
+    label_of = {key: label for label, key in reply_keys.items()}
+    starting: dict[str, Path] = {}
+    for name, role in params.roles.items():
+        if role is not InputRole.MODEL:
+            continue
+        if name not in label_of:
+            layers = ", ".join(reply_keys.values())
+            reason = ValueError(
+                f"the starting model {name!r} has no layer to train: the samples have {len(reply_keys)} layers "
+                f"({layers}); leave {name!r} out or add its layer in Pixel.js"
+            )
+            raise StepFailed("reading the starting models", reason)
+        starting[label_of[name]] = files[name]
+    return pages, reply_keys, starting
+
+
+def story_settings(params: JobParameters) -> dict[str, Any]:
+    """The settings the Log File shows, as Rodan names them."""
+    s = params.settings
+    return {
+        "patch": f"{s.patch_height}x{s.patch_width}",
+        "batch size": s.batch_size,
+        "maximum epochs": s.epochs,
+        "maximum samples per label": s.max_samples_per_label,
+        "patience": s.patience,
+        "maximum time per job": s.max_time,
+    }
 
 
 #: What ends a worker's publication, leaving the staged reply to the bridge.
@@ -354,7 +449,9 @@ _DELIVERY_ERRORS: tuple[type[BaseException], ...] = (BridgeError, *CONNECTION_ER
 
 def deliver(replies: ReplyBox, params: JobParameters, body: bytes) -> None:
     """Stage the reply, then publish it; if the broker is unreachable the bridge will."""
-    entry = replies.stage(params.correlation_id, params.reply_to, body, origin="worker")
+    entry = replies.stage(
+        params.correlation_id, params.reply_to, body, origin="worker", part_bytes=params.reply_part_bytes
+    )
     try:
         connection = connect(params.broker.url, heartbeat=60, ca_file=params.broker.ca_file, name="hpc-worker")
     except BrokerUnavailable as exc:

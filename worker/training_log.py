@@ -110,6 +110,7 @@ class TrainingLog:
         self._state = state
         self._clock = clock
         self._job_started = clock()
+        self._continuation = 0
 
     @classmethod
     def open(cls, folder: Path, *, clock: Any = time.time) -> TrainingLog:
@@ -144,27 +145,30 @@ class TrainingLog:
         job: str,
         host: str,
         continuation: int,
-        pages: Sequence[str] = (),
         settings: Mapping[str, Any] | None = None,
-        starting_models: Sequence[str] = (),
     ) -> None:
         """A job of the request began (the first, or a continuation)."""
         self._state.jobs += 1
+        self._continuation = continuation
         lines: list[str] = []
         if continuation == 0 and self._state.jobs == 1:
             lines.append(f"HPC training of request {request}")
             lines.append("")
         what = "started" if continuation == 0 else f"continued the training (continuation {continuation})"
         lines.append(f"{self._stamp()}  job {job or '?'} on {host}: {what}")
-        if continuation == 0:
-            if pages:
-                lines.append(f"  pages ({len(pages)}): " + "; ".join(pages))
-            if settings:
-                lines.append("  settings: " + ", ".join(f"{key} = {value}" for key, value in settings.items()))
-            if starting_models:
-                lines.append("  training starts from: " + ", ".join(starting_models))
+        if continuation == 0 and settings:
+            lines.append("  settings: " + ", ".join(f"{key} = {value}" for key, value in settings.items()))
         self._write(lines)
         self._save_state()
+
+    def inputs(self, pages: Sequence[str], starting_models: Sequence[str] = ()) -> None:
+        """What the training reads (told by the first job only: a continuation reads the same)."""
+        if self._continuation != 0:
+            return
+        lines = [f"  pages ({len(pages)}): " + "; ".join(pages)]
+        if starting_models:
+            lines.append("  training starts from: " + ", ".join(starting_models))
+        self._write(lines)
 
     def epoch(self, record: Mapping[str, Any]) -> None:
         """One epoch of a layer (a trainer epoch record)."""
