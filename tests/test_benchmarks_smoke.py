@@ -18,8 +18,18 @@ CASES = {
     "bench_download.py": ["server", "client", "best MB/s", "median MB/s", "worst MB/s"],
     "bench_reply.py": ["path", "median ms", "best ms", "peak RSS growth MB (median)"],
     "bench_idle.py": ["phase", "wall s", "CPU s (daemon)", "CPU %", "RSS MiB at end", "peak RSS MiB"],
+    "bench_paco.py": ["side", "samples/s", "ms / step", "peak RSS MiB"],
 }
 NEEDS_SLURM = {"bench_pickup.py", "bench_intake.py", "bench_idle.py"}
+#: Real TensorFlow trainings (ours in .venv, Paco_classifier's in the TF 2.15.1 consumer environment):
+#: about a minute on 2 quiet cores, several minutes when other tests share them.
+TRAINS = {"bench_paco.py"}
+TIMEOUT_S = {"bench_paco.py": 900}
+
+
+def _marks(script: str) -> list[pytest.MarkDecorator]:
+    marks = [pytest.mark.slurm] if script in NEEDS_SLURM else []
+    return marks + ([pytest.mark.training, pytest.mark.slow] if script in TRAINS else [])
 
 
 def _first_table(text: str) -> tuple[list[str], list[list[str]]]:
@@ -36,9 +46,7 @@ def _first_table(text: str) -> tuple[list[str], list[list[str]]]:
 
 
 @pytest.mark.broker
-@pytest.mark.parametrize(
-    "script", [pytest.param(s, marks=pytest.mark.slurm) if s in NEEDS_SLURM else s for s in sorted(CASES)]
-)
+@pytest.mark.parametrize("script", [pytest.param(s, marks=_marks(s)) for s in sorted(CASES)])
 def test_quick_run_prints_its_table(script: str, broker_url: str, request: pytest.FixtureRequest) -> None:
     if script in NEEDS_SLURM:
         request.getfixturevalue("slurm")
@@ -47,7 +55,7 @@ def test_quick_run_prints_its_table(script: str, broker_url: str, request: pytes
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=TIMEOUT_S.get(script, 120),
         env={**os.environ, "RABBITMQ_URL": broker_url},
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]

@@ -1,0 +1,216 @@
+"""The Paco_classifier side of ``bench_paco.py``, run in the TensorFlow 2.15.1 consumer environment.
+
+Two commands, each printing one JSON line on stdout (Paco's own progress goes to stderr):
+
+``paco_side.py train SPEC.json``
+    Trains Paco_classifier's ``train_msae`` on the sample zips of SPEC as Rodan 3.1.0's
+    ``FastPacoTrainer`` does (``../shared/rodan/README.md``): every sample zip unpacked into a folder
+    of its own; the inputs keyed by file name without ``.png`` (``Image``, ``rgba PNG - Selected
+    regions``, ``rgba PNG - Layer 0 (Background)``, ``rgba PNG - Layer 1`` ...), one entry per page;
+    ``preprocess.preprocess`` (crops every page to its selected regions' bounding box, writes the
+    ``.npy`` files); ``PacoTrainer`` with file selection SHUFFLE and sample extraction RANDOM, its
+    batch size, patch size, epochs, samples per label and patience. Two things are added around it
+    and change nothing it computes:
+
+    * ``preprocess.getMemoryLimit`` reads the cgroup-v1 file ``/sys/fs/cgroup/memory/
+      memory.limit_in_bytes`` and returns 0 GB where it is missing (cgroup v2, as here), which
+      makes ``preprocess`` drop every layer ("ram_limit" = max(limit - 5, 0)). It is replaced by a
+      function returning SPEC's ``memory_limit_gb`` (the parent passes this machine's MemTotal).
+    * ``tf.keras.Model.fit`` is wrapped to append one observing callback that notes when every
+      batch and epoch ends and the epoch logs (``val_accuracy`` as Paco reports it).
+
+    The seed (``random``, NumPy, TensorFlow) is set once before training: Paco itself seeds nothing.
+
+``paco_side.py score EVAL.npz PATCH INDEX:MODEL.hdf5 [INDEX:MODEL.hdf5 ...]``
+    Scores models of either side on the held-out evaluation pages with the same code: each model is
+    opened with ``tf.keras.models.load_model`` (as Rodan does), each page's held-out image (BGR,
+    ``(255 - v) / 255`` as Rodan's classifier feeds it) is cut into PATCHxPATCH tiles (the last row
+    and column of tiles aligned with the edge), and the prediction (> 0.5) is compared with the
+    mask of the model's layer (``mask_<page>_<INDEX>``, INDEX 0 the background): pixel accuracy,
+    F1 of the layer, the share of non-layer pixels, and whether the prediction is constant.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import resource
+import shutil
+import sys
+import time
+import zipfile
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+STARTED = time.time()
+
+
+def _paco_inputs(zips: list[str], work: Path) -> dict[str, list[dict[str, str]]]:
+    """Unpack every sample zip into a folder of its own and key its files as FastPacoTrainer does."""
+    inputs: dict[str, list[dict[str, str]]] = {}
+    for index, zip_path in enumerate(zips):
+        folder = work / f"sample-{index}"
+        folder.mkdir(parents=True)
+        with zipfile.ZipFile(zip_path) as archive:
+            archive.extractall(folder)
+        for file in sorted(folder.iterdir()):
+            if file.suffix == ".png":
+                inputs.setdefault(file.stem, []).append({"resource_path": str(file)})
+    return inputs
+
+
+def train(spec_path: Path) -> int:
+    spec = json.loads(spec_path.read_text())
+    import numpy as np
+    import tensorflow as tf
+    from Paco_classifier import fast_trainer_lib, preprocess
+    from Paco_classifier.data_loader import FileSelectionMode, SampleExtractionMode
+
+    imported = time.time()
+    limit_gb = float(spec["memory_limit_gb"])
+    preprocess.getMemoryLimit = lambda: limit_gb  # cgroup v2: the cgroup-v1 file is missing (module docstring)
+
+    layers: list[dict[str, Any]] = []
+
+    class Timeline(tf.keras.callbacks.Callback):  # type: ignore[misc]
+        def __init__(self, events: list[Any]) -> None:
+            super().__init__()
+            self.events = events
+
+        def on_train_begin(self, logs: Any = None) -> None:
+            self.events.append(["train_begin", None, time.time()])
+
+        def on_train_end(self, logs: Any = None) -> None:
+            self.events.append(["train_end", None, time.time()])
+
+        def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+            self.events.append(["epoch_begin", epoch, time.time()])
+
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            self.events.append(["batch_end", batch, time.time()])
+
+        def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+            self.events.append(["epoch_end", epoch, time.time()])
+            layers[-1]["history"].append({k: float(v) for k, v in (logs or {}).items()})
+
+    original_fit = tf.keras.Model.fit
+
+    def observed_fit(self: Any, *args: Any, callbacks: Any = None, **kwargs: Any) -> Any:
+        layer: dict[str, Any] = {"events": [], "history": []}
+        layers.append(layer)
+        return original_fit(self, *args, callbacks=[*(callbacks or []), Timeline(layer["events"])], **kwargs)
+
+    tf.keras.Model.fit = observed_fit
+
+    seed = int(spec["seed"])
+    random.seed(seed)
+    np.random.seed(seed)
+    tf.random.set_seed(seed)
+
+    work = Path(spec["out_dir"])
+    inputs = _paco_inputs(spec["zips"], work / "samples")
+    n_layers = len([key for key in inputs if "Layer" in key])
+    outputs = {
+        ("Background Model" if i == 0 else f"Model {i}"): [{"resource_path": str(work / f"model-{i}")}]
+        for i in range(n_layers)
+    }
+    training_started = time.time()
+    with contextlib.redirect_stdout(sys.stderr):  # Paco prints its progress
+        container = preprocess.preprocess(inputs, spec["batch_size"], spec["patch"], spec["patch"], spec["max_samples"])
+        trainer = fast_trainer_lib.PacoTrainer(
+            spec["batch_size"],
+            spec["patch"],
+            spec["patch"],
+            spec["epochs"],
+            spec["max_samples"],
+            FileSelectionMode.SHUFFLE,
+            SampleExtractionMode.RANDOM,
+            container,
+            outputs,
+            {},
+            spec["patience"],
+        )
+        trainer.runTrainer()
+    training_s = time.time() - training_started
+    shutil.rmtree(work / "samples", ignore_errors=True)
+    models = []
+    for i in range(n_layers):  # runTrainer renamed "<path>.hdf5" to the output's path; give it its suffix back
+        path = work / f"model-{i}"
+        path.rename(path.with_suffix(".hdf5"))
+        models.append(str(path.with_suffix(".hdf5")))
+    result = {
+        "side": "paco",
+        "import_s": imported - STARTED,
+        "training_s": training_s,
+        "layers": layers,
+        "models": models,
+        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "tensorflow": tf.__version__,
+    }
+    print(json.dumps(result))
+    return 0
+
+
+def score(eval_path: Path, patch: int, models: list[str]) -> int:
+    """Score ``INDEX:PATH`` models on the held-out pages (module docstring); one JSON line per run."""
+    import numpy as np
+    import tensorflow as tf
+
+    data = np.load(eval_path)
+    pages = sorted({key.split("_")[1] for key in data.files if key.startswith("image_")})
+    results = []
+    for entry in models:
+        index_text, path = entry.split(":", 1)
+        index = int(index_text)
+        model = tf.keras.models.load_model(path, compile=False)
+        true_all = []
+        pred_all = []
+        for page in pages:
+            image = data[f"image_{page}"]
+            truth = data[f"mask_{page}_{index}"]
+            h, w = truth.shape
+            rows = sorted({*range(0, h - patch + 1, patch), h - patch})
+            cols = sorted({*range(0, w - patch + 1, patch), w - patch})
+            tiles = np.stack([image[r : r + patch, c : c + patch] for r in rows for c in cols])
+            scaled = ((255.0 - tiles) / 255.0).astype(np.float32)
+            chunks = [model(scaled[k : k + 64], training=False).numpy() for k in range(0, len(scaled), 64)]
+            predicted = np.concatenate(chunks)[..., 0] > 0.5  # eager calls: no predict() pipeline per model
+            out = np.zeros((h, w), dtype=bool)
+            for k, (r, c) in enumerate((r, c) for r in rows for c in cols):
+                out[r : r + patch, c : c + patch] = predicted[k]
+            true_all.append(truth.ravel())
+            pred_all.append(out.ravel())
+        truth_v = np.concatenate(true_all)
+        pred_v = np.concatenate(pred_all)
+        tp = int(np.sum(truth_v & pred_v))
+        fp = int(np.sum(~truth_v & pred_v))
+        fn = int(np.sum(truth_v & ~pred_v))
+        results.append(
+            {
+                "model": entry,
+                "accuracy": float(np.mean(truth_v == pred_v)),
+                "f1": 2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 1.0,
+                "non_layer_share": float(np.mean(~truth_v)),
+                "positive_share": float(np.mean(pred_v)),
+                "constant": bool(pred_v.all() or not pred_v.any()),
+            }
+        )
+        tf.keras.backend.clear_session()
+    print(json.dumps({"scores": results, "tensorflow": tf.__version__}))
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["train"] and len(argv) == 2:
+        return train(Path(argv[1]))
+    if argv[:1] == ["score"] and len(argv) >= 4:
+        return score(Path(argv[1]), int(argv[2]), argv[3:])
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
