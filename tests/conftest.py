@@ -42,6 +42,7 @@ from tests.support.tls_proxy import tls_proxy as start_tls_proxy
 pytest_plugins = [
     "pytester",  # tests/test_service_markers.py, tests/test_xdist_groups.py
     "tests.support.rodan_real",  # the rodan_real fixture: a real Rodan 3.1.0 (deploy/dev/rodan.sh)
+    "tests.support.rodan_job",  # rodan_with_job: one Rodan 3.1.0 with our job package per test process
 ]
 
 # --- service markers ---------------------------------------------------------------------------------
@@ -55,6 +56,7 @@ SERVICE_FIXTURES = {
     "slurm": "slurm",
     "gridengine": "gridengine",
     "rodan_real": "rodan",
+    "rodan_with_job": "rodan",
 }
 #: Fixtures whose parameter names the scheduler a test runs on.
 SCHEDULER_PARAMS = ("cluster", "crash_cluster")

@@ -7,7 +7,6 @@ rodan_job/README.md says what each proves. A missing Python 3.7 fails the test (
 from __future__ import annotations
 
 import base64
-import contextlib
 import fcntl
 import hashlib
 import io
@@ -17,22 +16,31 @@ import signal
 import struct
 import subprocess
 import time
-import uuid
 import zipfile
 import zlib
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
-import pika
 import pytest
-import requests
 
 from consumers import find_python
+from tests.support.rodan_job import (
+    GROUP,
+    JOB_NAME,
+    POLL_SECONDS,
+    Api,
+    RodanWithJob,
+    Upload,
+    output_files,
+    publish_parts,
+    run_job,
+    start_workflow,
+    take_request,
+    wait_run,
+)
 
-pytestmark = [pytest.mark.broker]
+# One worker under --dist loadgroup runs this module and tests/test_rodan3_e2e.py: one Rodan.
+pytestmark = [pytest.mark.broker, pytest.mark.xdist_group(GROUP)]
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "rodan_job"
@@ -83,105 +91,7 @@ def test_the_job_package_tests_pass_in_rodans_python(broker_url: str) -> None:
 
 
 # --- the job inside a real Rodan 3.1.0 (deploy/dev/rodan.sh with this package) -------------------
-
-
-@dataclass
-class RodanWithJob:
-    """A Rodan 3.1.0 of this module's own (state directory, database, vhost, port) with the job
-    package installed, its Python3 worker reading the job's settings from its environment."""
-
-    url: str
-    email: str
-    password: str = field(repr=False)
-    state_dir: Path
-    request_queue: str
-    env: dict[str, str] = field(repr=False)
-    reply_queues: list[str] = field(default_factory=list)
-
-    def session(self) -> Api:
-        with requests.Session() as session:
-            session.headers.update({"Accept": "application/json", "Connection": "close"})
-            token = session.post(f"{self.url}/api/auth/token/", data={"email": self.email, "password": self.password})
-        token.raise_for_status()
-        return Api(str(token.json()["token"]))
-
-    def up(self) -> None:
-        done = subprocess.run(
-            ["bash", str(RODAN_SH), "up", "--job-package", str(PACKAGE / "hpc_paco_trainer")],
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-
-    def worker_pid(self) -> int:
-        return int((self.state_dir / "run" / "worker.pid").read_text().strip())
-
-
-class Api:
-    """Rodan's REST API with a token, one connection per request (runserver closes each
-    connection after its answer without saying so)."""
-
-    def __init__(self, token: str) -> None:
-        self.token = token
-
-    def request(self, method: str, url: str, **kwargs: Any) -> requests.Response:
-        with requests.Session() as session:
-            session.headers.update(
-                {"Accept": "application/json", "Connection": "close", "Authorization": f"Token {self.token}"}
-            )
-            return session.request(method, url, timeout=60, **kwargs)
-
-    def get(self, url: str, **kwargs: Any) -> requests.Response:
-        return self.request("GET", url, **kwargs)
-
-    def post(self, url: str, **kwargs: Any) -> requests.Response:
-        return self.request("POST", url, **kwargs)
-
-    def patch(self, url: str, **kwargs: Any) -> requests.Response:
-        return self.request("PATCH", url, **kwargs)
-
-
-RODAN_SH = ROOT / "deploy" / "dev" / "rodan.sh"
-JOB_NAME = "Training model for Patchwise Analysis of Music Document, HPC"
-POLL_SECONDS = 2
-
-
-@pytest.fixture(scope="module")
-def rodan_with_job(tmp_path_factory: pytest.TempPathFactory, broker_url: str) -> Iterator[RodanWithJob]:
-    state = tmp_path_factory.mktemp("rodan-job") / "rodan"
-    queue = f"hpc-jobs.rodan-job-e2e-{uuid.uuid4().hex}"
-    env = {
-        **os.environ,
-        "HPC_DEV_RODAN_DIR": str(state),
-        "HPC_DEV_RODAN_PORT": "8795",
-        "HPC_DEV_RODAN_REDIS_DB": "12",
-        "HPC_RABBITMQ_URL": broker_url,
-        "HPC_REQUEST_QUEUE": queue,
-        "HPC_POLL_SECONDS": str(POLL_SECONDS),
-    }
-    env.pop("HPC_DEV_RODAN_JOB_PACKAGES", None)
-    rodan = RodanWithJob("", "", "", state, queue, env)
-    try:
-        rodan.up()
-        values = dict(
-            line.split("=", 1)
-            for line in subprocess.run(
-                ["bash", str(RODAN_SH), "env"], env=env, capture_output=True, text=True, check=True
-            ).stdout.splitlines()
-            if "=" in line
-        )
-        rodan.url, rodan.email, rodan.password = values["RODAN_URL"], values["RODAN_EMAIL"], values["RODAN_PASSWORD"]
-        yield rodan
-    finally:
-        subprocess.run(["bash", str(RODAN_SH), "down"], env=env, capture_output=True, timeout=300)
-        with contextlib.suppress(pika.exceptions.AMQPError):
-            connection = pika.BlockingConnection(pika.URLParameters(broker_url))
-            for name in [queue, *rodan.reply_queues]:  # a run that failed leaves its queue until x-expires
-                with contextlib.suppress(pika.exceptions.ChannelClosedByBroker):
-                    connection.channel().queue_delete(queue=name)
-            connection.close()
+# The session's Rodan with the job package and the REST helpers: tests/support/rodan_job.py.
 
 
 def sample_zip(layers: int, seed: int) -> bytes:
@@ -204,130 +114,13 @@ def make_png(width: int, height: int, rgba: tuple[int, int, int, int]) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
 
 
-def created(response: requests.Response) -> dict[str, Any]:
-    assert response.status_code == 201, (
-        f"{response.request.method} {response.url}: {response.status_code} {response.text[:500]}"
-    )
-    body = response.json()
-    return dict(body[0] if isinstance(body, list) else body)
-
-
 def start_run(rodan: RodanWithJob, session: Api, settings: dict[str, Any]) -> tuple[str, dict[str, str]]:
     """Upload two samples, build a workflow of the job alone (Sample 1, Sample 2 -> Log File,
     Background Model, Model 1, Model 2, Multi-Sample Zip) and start it; (workflow run URL, the
     samples' /uploads/ paths by port)."""
-    project = created(session.post(f"{rodan.url}/api/projects/", data={"name": f"hpc-job-{uuid.uuid4().hex[:8]}"}))
-    jobs = session.get(f"{rodan.url}/api/jobs/", params={"name": JOB_NAME}).json()["results"]
-    job = next(j for j in jobs if j["name"] == JOB_NAME)
-    inputs = {p["name"]: p["url"] for p in job["input_port_types"]}
-    outputs = {p["name"]: p["url"] for p in job["output_port_types"]}
-    workflow = created(session.post(f"{rodan.url}/api/workflows/", data={"project": project["url"], "name": "hpc"}))
-    wfjob = created(
-        session.post(
-            f"{rodan.url}/api/workflowjobs/",
-            json={"workflow": workflow["url"], "job": job["url"], "job_settings": settings},
-        )
-    )
-    assignments: dict[str, list[str]] = {}
-    paths: dict[str, str] = {}
-    for n in (1, 2):
-        resource = created(
-            session.post(
-                f"{rodan.url}/api/resources/",
-                data={"project": project["url"], "type": "application/zip"},
-                files={"files": (f"sample{n}.zip", sample_zip(2, n), "application/zip")},
-            )
-        )
-        port = created(
-            session.post(
-                f"{rodan.url}/api/inputports/",
-                data={"workflow_job": wfjob["url"], "input_port_type": inputs[f"Sample {n}"]},
-            )
-        )
-        assignments[port["url"]] = [resource["url"]]
-        paths[f"Sample {n}"] = urlsplit(resource["resource_file"]).path
-    for name in ("Log File", "Background Model", "Model 1", "Model 2", "Multi-Sample Zip"):
-        created(
-            session.post(
-                f"{rodan.url}/api/outputports/", data={"workflow_job": wfjob["url"], "output_port_type": outputs[name]}
-            )
-        )
-    valid = session.patch(workflow["url"], json={"valid": True})
-    assert valid.status_code == 200, valid.text[:500]
-    run = created(
-        session.post(
-            f"{rodan.url}/api/workflowruns/",
-            json={"workflow": workflow["url"], "resource_assignments": assignments, "name": "hpc run"},
-        )
-    )
-    return str(run["url"]), paths
-
-
-def take_request(broker_url: str, queue: str, timeout_s: float) -> tuple[Any, dict[str, Any]]:
-    connection = pika.BlockingConnection(pika.URLParameters(broker_url))
-    try:
-        channel = connection.channel()
-        channel.queue_declare(queue=queue, durable=False)  # as the job (and Rodan, and the bridge) declare it
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            method, properties, body = channel.basic_get(queue=queue, auto_ack=True)
-            if method is not None:
-                return properties, json.loads(body)
-            time.sleep(0.5)
-        raise AssertionError(f"no request in {queue} within {timeout_s} s")
-    finally:
-        connection.close()
-
-
-def publish_parts(broker_url: str, reply_to: str, correlation_id: str, body: bytes, order: list[int]) -> None:
-    parts = len(set(order))
-    size = -(-len(body) // parts)
-    pieces = [body[i * size : (i + 1) * size] for i in range(parts)]
-    connection = pika.BlockingConnection(pika.URLParameters(broker_url))
-    try:
-        channel = connection.channel()
-        channel.confirm_delivery()
-        for number in order:
-            channel.basic_publish(
-                exchange="",
-                routing_key=reply_to,
-                body=pieces[number - 1],
-                properties=pika.BasicProperties(
-                    correlation_id=correlation_id,
-                    delivery_mode=2,
-                    headers={"x-hpc-part": number, "x-hpc-parts": parts},
-                ),
-                mandatory=True,
-            )
-    finally:
-        connection.close()
-
-
-def wait_run(session: Api, run_url: str, timeout_s: float) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        run = session.get(run_url).json()
-        if run["status"] in (4, -1):
-            return dict(run)
-        time.sleep(1)
-    raise AssertionError(f"the workflow run did not end within {timeout_s} s: {run}")
-
-
-def run_job(session: Api, rodan: RodanWithJob, run: dict[str, Any]) -> dict[str, Any]:
-    runjobs = session.get(f"{rodan.url}/api/runjobs/", params={"workflow_run": run["uuid"]}).json()["results"]
-    assert len(runjobs) == 1
-    return dict(runjobs[0])
-
-
-def output_files(session: Api, runjob: dict[str, Any]) -> dict[str, bytes]:
-    files = {}
-    for output_url in runjob["outputs"]:
-        output = session.get(output_url).json()
-        resource = session.get(output["resource"]).json()
-        download = session.get(resource["resource_file"])
-        download.raise_for_status()
-        files[output["output_port_type_name"]] = download.content
-    return files
+    inputs = {f"Sample {n}": Upload(f"sample{n}.zip", sample_zip(2, n)) for n in (1, 2)}
+    outputs = ["Log File", "Background Model", "Model 1", "Model 2", "Multi-Sample Zip"]
+    return start_workflow(rodan, session, inputs, outputs, settings)
 
 
 SETTINGS = {

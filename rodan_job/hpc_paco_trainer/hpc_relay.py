@@ -649,7 +649,7 @@ def step(
             state,
             now(),
             HPCJobError(
-                f"No reply from the HPC cluster after {waited / 3600:.0f} hours",
+                f"No reply from the HPC cluster after {_duration(waited)}",
                 "The request {} was published {:.0f} s ago; the bound is {:.0f} s ('Maximum time' x (1 + "
                 "HPC_BRIDGE_MAX_CONTINUATIONS) + HPC_BRIDGE_MAX_PENDING + HPC_SILENCE_SLACK). {}".format(
                     correlation_id,
@@ -660,6 +660,14 @@ def step(
             ),
         )
     return None
+
+
+def _duration(seconds: float) -> str:
+    """``N hours`` from two hours on, else ``N minutes`` (a short bound said "after 0 hours")."""
+    if seconds >= 2 * 3600:
+        return f"{seconds / 3600:.0f} hours"
+    minutes = max(1, round(seconds / 60))
+    return f"{minutes} minute{'' if minutes == 1 else 's'}"
 
 
 def _ended(state: RunState, at: float, error: HPCJobError) -> HPCJobError:

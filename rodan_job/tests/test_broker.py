@@ -142,12 +142,12 @@ def test_silence_past_the_bound_ends_the_run(
     clock.t += 1
     with pytest.raises(HPCJobError) as caught:
         _step(config, correlation_id, clock, bound_s=bound)
-    assert caught.value.summary == "No reply from the HPC cluster after 0 hours"
+    assert caught.value.summary == "No reply from the HPC cluster after 4 minutes"
     assert "the bound is 210 s" in caught.value.details and "No part of the reply arrived" in caught.value.details
     # Rodan's Retry runs the same RunJob (same correlation id) again: told why it cannot train.
     with pytest.raises(HPCJobError) as again:
         _step(config, correlation_id, clock, bound_s=bound)
-    assert again.value.summary == "This run already ended: No reply from the HPC cluster after 0 hours"
+    assert again.value.summary == "This run already ended: No reply from the HPC cluster after 4 minutes"
     assert "Start a new workflow run" in again.value.details
 
 

@@ -1,0 +1,399 @@
+"""A real Rodan 3.1.0 with our job package (rodan_job/hpc_paco_trainer) for the tests, and what they
+do with it through Rodan's REST API: a project, uploads, a workflow of the job alone, a run, polling.
+
+One Rodan per test process: the session fixture ``rodan_with_job`` (registered by tests/conftest.py,
+which gives its tests the ``rodan`` marker) brings it up with ``deploy/dev/rodan.sh up --job-package``
+in a state directory, database, vhost and Redis db of its own, and takes it down at the end of the
+session. Its Python3 worker reads the job's settings from its environment (:data:`WORKER_SETTINGS`):
+a request queue of the session's own, a short poll, and a silence bound short enough that a run whose
+``Maximum time`` is ``0-00:01`` fails within minutes when no bridge answers (continuations 0, pending
+and slack seconds), while a run with a longer ``Maximum time`` keeps a long bound.
+
+Every module that uses it is in the xdist group :data:`GROUP`, so under ``--dist loadgroup`` they run
+in one worker, one after another, against the same Rodan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pika
+import pytest
+import requests
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGE = REPO / "rodan_job" / "hpc_paco_trainer"
+RODAN_SH = REPO / "deploy" / "dev" / "rodan.sh"
+JOB_NAME = "Training model for Patchwise Analysis of Music Document, HPC"
+#: The xdist group of every module that uses the shared Rodan (one worker runs them all).
+GROUP = "rodan-with-job"
+#: The Python3 worker's HPC_POLL_SECONDS: seconds between two polls of a waiting run.
+POLL_SECONDS = 5
+#: The job's settings in the Python3 worker's environment (besides the broker and the queue). The
+#: silence bound is ``Maximum time`` x (1 + continuations) + pending + slack: 90 s for 0-00:01.
+WORKER_SETTINGS = {
+    "HPC_POLL_SECONDS": str(POLL_SECONDS),
+    "HPC_BRIDGE_MAX_CONTINUATIONS": "0",
+    "HPC_BRIDGE_MAX_PENDING": "20",
+    "HPC_SILENCE_SLACK": "10",
+}
+#: WorkflowRun and RunJob statuses (rodan/constants.py).
+FINISHED, FAILED, PROCESSING = 4, -1, 1
+
+
+class Api:
+    """Rodan's REST API with a token, one connection per request (runserver closes each
+    connection after its answer without saying so)."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+
+    def request(self, method: str, url: str, **kwargs: Any) -> requests.Response:
+        with requests.Session() as session:
+            session.headers.update(
+                {"Accept": "application/json", "Connection": "close", "Authorization": f"Token {self.token}"}
+            )
+            return session.request(method, url, timeout=60, **kwargs)
+
+    def get(self, url: str, **kwargs: Any) -> requests.Response:
+        return self.request("GET", url, **kwargs)
+
+    def post(self, url: str, **kwargs: Any) -> requests.Response:
+        return self.request("POST", url, **kwargs)
+
+    def patch(self, url: str, **kwargs: Any) -> requests.Response:
+        return self.request("PATCH", url, **kwargs)
+
+
+@dataclass
+class RodanWithJob:
+    """A Rodan 3.1.0 of the session's own (state directory, database, vhost, port) with the job
+    package installed, its Python3 worker reading the job's settings from its environment."""
+
+    url: str
+    email: str
+    password: str = field(repr=False)
+    state_dir: Path
+    request_queue: str
+    env: dict[str, str] = field(repr=False)
+    reply_queues: list[str] = field(default_factory=list)
+
+    @property
+    def host_port(self) -> str:
+        """``host:port`` of the server (a bridge's RODAN_HOST)."""
+        return urlsplit(self.url).netloc
+
+    def session(self) -> Api:
+        with requests.Session() as session:
+            session.headers.update({"Accept": "application/json", "Connection": "close"})
+            token = session.post(f"{self.url}/api/auth/token/", data={"email": self.email, "password": self.password})
+        token.raise_for_status()
+        return Api(str(token.json()["token"]))
+
+    def up(self) -> None:
+        done = subprocess.run(
+            ["bash", str(RODAN_SH), "up", "--job-package", str(PACKAGE)],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    def worker_pid(self) -> int:
+        return int((self.state_dir / "run" / "worker.pid").read_text().strip())
+
+    def tasks_in_flight(self, task: str = "rodan.core.master_task") -> set[str]:
+        """Ids of the Celery tasks named ``task`` that the worker received and has not finished,
+        from its log (STATE/logs/worker.log). Rodan's ``master_task`` (which starts a workflow
+        run's RunJobs and ends the run) is acknowledged when it starts: a worker killed while one
+        runs loses it, and that workflow run with it (Rodan's own behaviour, not the job's)."""
+        log = self.state_dir / "logs" / "worker.log"
+        text = log.read_text(errors="replace") if log.exists() else ""
+        received = set(re.findall(rf"Received task: {re.escape(task)}\[([0-9a-f-]+)\]", text))
+        ended = set(re.findall(rf"Task {re.escape(task)}\[([0-9a-f-]+)\] (?:succeeded|raised|failed)", text))
+        return received - ended
+
+    def kill_and_restart_worker(self, sig: signal.Signals = signal.SIGKILL, timeout_s: float = 120) -> int:
+        """Kill the Celery worker's session with ``sig`` and start the same worker again (its command
+        line, environment and folder, as a service manager restarts it), leaving the server alone
+        (``rodan.sh up`` would restart the server too); the new worker's pid once it is ready."""
+        pid = self.worker_pid()
+        proc = Path(f"/proc/{pid}")
+        command = (proc / "cmdline").read_bytes().decode().split("\0")[:-1]
+        environ = dict(
+            item.split("=", 1) for item in (proc / "environ").read_bytes().decode().split("\0") if "=" in item
+        )
+        cwd = os.readlink(proc / "cwd")
+        self.stop_worker(sig)
+        log = self.state_dir / "logs" / "worker.log"
+        start = log.stat().st_size
+        # As rodan.sh starts it: in a session of its own, a child of nobody here (no zombie to reap).
+        started = subprocess.run(
+            ["bash", "-c", 'setsid "$@" >>"$WORKER_LOG" 2>&1 </dev/null & echo $!', "worker", *command],
+            cwd=cwd, env={**environ, "WORKER_LOG": str(log)}, capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        new_pid = int(started.stdout.strip())
+        (self.state_dir / "run" / "worker.pid").write_text(f"{new_pid}\n")  # rodan.sh down stops it
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with open(log, "rb") as text:
+                text.seek(start)
+                if re.search(rb"@\S+ ready\.$", text.read(), re.MULTILINE):
+                    return new_pid
+            assert Path(f"/proc/{new_pid}").exists(), f"the restarted Celery worker exited; see {log}"
+            time.sleep(0.5)
+        raise AssertionError(f"the restarted Celery worker was not ready within {timeout_s} s; see {log}")
+
+    def stop_worker(self, sig: signal.Signals, timeout_s: float = 60) -> None:
+        """Send ``sig`` to the Celery worker's session (its main process and pool) and wait until
+        the main process is gone."""
+        pid = self.worker_pid()
+        os.killpg(pid, sig)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
+            time.sleep(0.5)
+        assert not Path(f"/proc/{pid}").exists(), f"the Celery worker {pid} is still there after {sig.name}"
+
+
+def rodan_env(state: Path, broker_url: str, request_queue: str) -> dict[str, str]:
+    """``rodan.sh``'s environment for a Rodan of its own in ``state``, with the job's settings."""
+    env = {
+        **os.environ,
+        "HPC_DEV_RODAN_DIR": str(state),
+        "HPC_DEV_RODAN_PORT": "8795",
+        "HPC_DEV_RODAN_REDIS_DB": "12",
+        "HPC_RABBITMQ_URL": broker_url,
+        "HPC_REQUEST_QUEUE": request_queue,
+        **WORKER_SETTINGS,
+    }
+    env.pop("HPC_DEV_RODAN_JOB_PACKAGES", None)
+    return env
+
+
+@pytest.fixture(scope="session")
+def rodan_with_job(tmp_path_factory: pytest.TempPathFactory, broker_url: str) -> Iterator[RodanWithJob]:
+    """The session's Rodan with the job package (``down`` at the end; the request queue and every
+    run queue a test noted in ``reply_queues`` are deleted)."""
+    if os.geteuid() != 0:
+        pytest.fail("the real Rodan (deploy/dev/rodan.sh) needs root on the dev machine", pytrace=False)
+    state = tmp_path_factory.mktemp("rodan-job") / "rodan"
+    queue = f"hpc-jobs.rodan-job-e2e-{uuid.uuid4().hex}"
+    env = rodan_env(state, broker_url, queue)
+    rodan = RodanWithJob("", "", "", state, queue, env)
+    try:
+        rodan.up()
+        values = dict(
+            line.split("=", 1)
+            for line in subprocess.run(
+                ["bash", str(RODAN_SH), "env"], env=env, capture_output=True, text=True, check=True
+            ).stdout.splitlines()
+            if "=" in line
+        )
+        rodan.url, rodan.email, rodan.password = values["RODAN_URL"], values["RODAN_EMAIL"], values["RODAN_PASSWORD"]
+        yield rodan
+    finally:
+        subprocess.run(["bash", str(RODAN_SH), "down"], env=env, capture_output=True, timeout=300)
+        with contextlib.suppress(pika.exceptions.AMQPError):
+            connection = pika.BlockingConnection(pika.URLParameters(broker_url))
+            for name in [queue, *rodan.reply_queues]:  # a run that failed leaves its queue until x-expires
+                with contextlib.suppress(pika.exceptions.ChannelClosedByBroker):
+                    connection.channel().queue_delete(queue=name)
+            connection.close()
+
+
+# --- the REST API ----------------------------------------------------------------------------------
+
+
+def created(response: requests.Response) -> dict[str, Any]:
+    assert response.status_code == 201, (
+        f"{response.request.method} {response.url}: {response.status_code} {response.text[:500]}"
+    )
+    body = response.json()
+    return dict(body[0] if isinstance(body, list) else body)
+
+
+@dataclass(frozen=True)
+class Upload:
+    """A file to upload for an input port: its name, bytes and Rodan resource type."""
+
+    name: str
+    data: bytes = field(repr=False)
+    resource_type: str = "application/zip"
+
+
+def create_project(rodan: RodanWithJob, session: Api) -> str:
+    """A new project; its API URL."""
+    project = created(session.post(f"{rodan.url}/api/projects/", data={"name": f"hpc-job-{uuid.uuid4().hex[:8]}"}))
+    return str(project["url"])
+
+
+def upload(rodan: RodanWithJob, session: Api, project: str, file: Upload, timeout_s: float = 180) -> dict[str, Any]:
+    """``POST /api/resources/``, then wait until Rodan has given the resource its type: Rodan
+    files it as ``application/octet-stream`` and its Celery task ``rodan.core.create_resource``
+    sets the claimed type later (a workflow run refuses the resource before that). The resource's
+    JSON (``url``, ``resource_file``)."""
+    resource = created(
+        session.post(
+            f"{rodan.url}/api/resources/",
+            data={"project": project, "type": file.resource_type},
+            files={"files": (file.name, file.data, file.resource_type)},
+        )
+    )
+    deadline = time.monotonic() + timeout_s
+    while True:
+        resource = session.get(resource["url"]).json()
+        if session.get(resource["resource_type"]).json()["mimetype"] == file.resource_type:
+            return dict(resource)
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"Rodan did not make {file.name!r} a {file.resource_type} in {timeout_s} s: {resource}"
+            )
+        time.sleep(1)
+
+
+def the_job(rodan: RodanWithJob, session: Api) -> dict[str, Any]:
+    jobs = session.get(f"{rodan.url}/api/jobs/", params={"name": JOB_NAME}).json()["results"]
+    return dict(next(j for j in jobs if j["name"] == JOB_NAME))
+
+
+def start_workflow(
+    rodan: RodanWithJob,
+    session: Api,
+    inputs: dict[str, Upload],
+    outputs: list[str],
+    settings: dict[str, Any],
+    *,
+    project: str | None = None,
+    name: str = "hpc run",
+) -> tuple[str, dict[str, str]]:
+    """Upload each input, build a workflow of the job alone (those input ports, the ``outputs``
+    ports) in ``project`` (a new one by default), make it valid and run it: (workflow run URL, the
+    inputs' ``/uploads/`` paths by port)."""
+    project = project or create_project(rodan, session)
+    job = the_job(rodan, session)
+    in_types = {p["name"]: p["url"] for p in job["input_port_types"]}
+    out_types = {p["name"]: p["url"] for p in job["output_port_types"]}
+    workflow = created(session.post(f"{rodan.url}/api/workflows/", data={"project": project, "name": name}))
+    wfjob = created(
+        session.post(
+            f"{rodan.url}/api/workflowjobs/",
+            json={"workflow": workflow["url"], "job": job["url"], "job_settings": settings},
+        )
+    )
+    assignments: dict[str, list[str]] = {}
+    paths: dict[str, str] = {}
+    for port_name, file in inputs.items():
+        resource = upload(rodan, session, project, file)
+        port = created(
+            session.post(
+                f"{rodan.url}/api/inputports/",
+                data={"workflow_job": wfjob["url"], "input_port_type": in_types[port_name]},
+            )
+        )
+        assignments[port["url"]] = [resource["url"]]
+        paths[port_name] = urlsplit(resource["resource_file"]).path
+    for port_name in outputs:
+        created(
+            session.post(
+                f"{rodan.url}/api/outputports/",
+                data={"workflow_job": wfjob["url"], "output_port_type": out_types[port_name]},
+            )
+        )
+    valid = session.patch(workflow["url"], json={"valid": True})
+    assert valid.status_code == 200, valid.text[:500]
+    run = created(
+        session.post(
+            f"{rodan.url}/api/workflowruns/",
+            json={"workflow": workflow["url"], "resource_assignments": assignments, "name": name},
+        )
+    )
+    return str(run["url"]), paths
+
+
+def wait_run(session: Api, run_url: str, timeout_s: float) -> dict[str, Any]:
+    """Poll the workflow run until it finished (4) or failed (-1)."""
+    deadline = time.monotonic() + timeout_s
+    run: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        run = session.get(run_url).json()
+        if run["status"] in (FINISHED, FAILED):
+            return dict(run)
+        time.sleep(1)
+    raise AssertionError(f"the workflow run did not end within {timeout_s} s: {run}")
+
+
+def run_job(session: Api, rodan: RodanWithJob, run: dict[str, Any]) -> dict[str, Any]:
+    """The one RunJob of a workflow run of the job alone."""
+    runjobs = session.get(f"{rodan.url}/api/runjobs/", params={"workflow_run": run["uuid"]}).json()["results"]
+    assert len(runjobs) == 1
+    return dict(runjobs[0])
+
+
+def output_files(session: Api, runjob: dict[str, Any]) -> dict[str, bytes]:
+    """Each output port's file of a RunJob, downloaded."""
+    files = {}
+    for output_url in runjob["outputs"]:
+        output = session.get(output_url).json()
+        resource = session.get(output["resource"]).json()
+        download = session.get(resource["resource_file"])
+        download.raise_for_status()
+        files[output["output_port_type_name"]] = download.content
+    return files
+
+
+# --- the broker's side -------------------------------------------------------------------------------
+
+
+def take_request(broker_url: str, queue: str, timeout_s: float) -> tuple[Any, dict[str, Any]]:
+    """Take the next request off ``queue`` (waiting up to ``timeout_s``): (properties, body)."""
+    connection = pika.BlockingConnection(pika.URLParameters(broker_url))
+    try:
+        channel = connection.channel()
+        channel.queue_declare(queue=queue, durable=False)  # as the job (and Rodan, and the bridge) declare it
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            method, properties, body = channel.basic_get(queue=queue, auto_ack=True)
+            if method is not None:
+                return properties, json.loads(body)
+            time.sleep(0.5)
+        raise AssertionError(f"no request in {queue} within {timeout_s} s")
+    finally:
+        connection.close()
+
+
+def publish_parts(broker_url: str, reply_to: str, correlation_id: str, body: bytes, order: list[int]) -> None:
+    """Publish ``body`` to ``reply_to`` in ``len(set(order))`` parts, in ``order``, as the bridge does."""
+    parts = len(set(order))
+    size = -(-len(body) // parts)
+    pieces = [body[i * size : (i + 1) * size] for i in range(parts)]
+    connection = pika.BlockingConnection(pika.URLParameters(broker_url))
+    try:
+        channel = connection.channel()
+        channel.confirm_delivery()
+        for number in order:
+            channel.basic_publish(
+                exchange="",
+                routing_key=reply_to,
+                body=pieces[number - 1],
+                properties=pika.BasicProperties(
+                    correlation_id=correlation_id,
+                    delivery_mode=2,
+                    headers={"x-hpc-part": number, "x-hpc-parts": parts},
+                ),
+                mandatory=True,
+            )
+    finally:
+        connection.close()
