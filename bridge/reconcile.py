@@ -69,9 +69,10 @@ class Reconciler:
         self.scheduler = scheduler
         self.replies = replies
 
-    def _parts(self, record: RequestRecord) -> int | None:
-        """The part size of an error reply to ``record`` (generation 3 is answered in parts), or None."""
-        return part_bytes_for(record.generation, self.config.reply_part_bytes)
+    def _stage(self, record: RequestRecord, body: bytes) -> None:
+        """Stage the bridge's error reply to ``record`` (in parts for generation 3: docs/protocol.md §3.5)."""
+        part_bytes = part_bytes_for(record.generation, self.config.reply_part_bytes)
+        self.replies.stage(record.correlation_id, record.reply_to, body, origin="reconcile", part_bytes=part_bytes)
 
     def mark_replied(self) -> int:
         """Mark requests whose reply marker exists as replied. Cheap: files only."""
@@ -143,13 +144,7 @@ class Reconciler:
                     reason = self.config.public(explain(record, info, self.scheduler.display_name))
                     log.error("job_ended_without_reply", state=info.state.value, reason=reason)
                     record.reason = reason
-                    self.replies.stage(
-                        record.correlation_id,
-                        record.reply_to,
-                        error_reply(reason),
-                        origin="reconcile",
-                        part_bytes=self._parts(record),
-                    )
+                    self._stage(record, error_reply(reason))
                     judged += 1
                 self.ledger.save(record)
         log.info("reconcile_done", watched=len(watched), judged=judged)
@@ -173,13 +168,7 @@ class Reconciler:
         )
         log.error("job_pending_too_long", waited_s=int(waited), scheduler_reason=said, reason=reason)
         record.reason = reason
-        self.replies.stage(
-            record.correlation_id,
-            record.reply_to,
-            error_reply(reason),
-            origin="reconcile",
-            part_bytes=self._parts(record),
-        )
+        self._stage(record, error_reply(reason))
         return 1
 
     def _follow_continuation(self, record: RequestRecord) -> None:
@@ -280,13 +269,7 @@ class Reconciler:
                 record.outcome = "error"
                 self.ledger.save(record)
                 self.spool.params_path(record.key).unlink(missing_ok=True)  # it may hold a token
-                self.replies.stage(
-                    record.correlation_id,
-                    record.reply_to,
-                    error_reply(reason),
-                    origin="reconcile",
-                    part_bytes=self._parts(record),
-                )
+                self._stage(record, error_reply(reason))
                 judged += 1
         return judged
 
@@ -309,13 +292,7 @@ class Reconciler:
         log.error("job_vanished", reason=reason)
         record.reason = reason
         self.ledger.save(record)
-        self.replies.stage(
-            record.correlation_id,
-            record.reply_to,
-            error_reply(reason),
-            origin="reconcile",
-            part_bytes=self._parts(record),
-        )
+        self._stage(record, error_reply(reason))
         return 1
 
 
