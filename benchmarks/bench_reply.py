@@ -80,7 +80,10 @@ if side == "before":  # the reply path before the fix of 2026-11-26, restored by
     replies.ReplyBox.publish_staged = lambda self, channel, entry, body=None: publish_staged(self, channel, entry)
 if side in ("ours", "nofsync", "before"):
     params = SimpleNamespace(
-        correlation_id="bench-" + queue, reply_to=queue, broker=SimpleNamespace(url=broker, ca_file=None)
+        correlation_id="bench-" + queue,
+        reply_to=queue,
+        broker=SimpleNamespace(url=broker, ca_file=None),
+        reply_part_bytes=None,  # one message, as the older generations' replies
     )
     deliver(ReplyBox(Spool(Path(spool)).ensure()), params, body)
     assert not list((Path(spool) / "outbox").iterdir()), "the reply stayed in the outbox"

@@ -29,7 +29,8 @@ TIMEOUT_S = {"bench_paco.py": 900}
 
 def _marks(script: str) -> list[pytest.MarkDecorator]:
     marks = [pytest.mark.slurm] if script in NEEDS_SLURM else []
-    return marks + ([pytest.mark.training, pytest.mark.slow] if script in TRAINS else [])
+    marks += [pytest.mark.training, pytest.mark.slow] if script in TRAINS else []
+    return marks + ([pytest.mark.heavy] if script == "bench_paco.py" else [])
 
 
 def _first_table(text: str) -> tuple[list[str], list[list[str]]]:

@@ -21,9 +21,10 @@ from consumers import by_name, classify
 
 RODAN_CONSUMERS = ("tf2.5.1-py3.7", "tf2.15.1-py3.11")
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning"
-)
+pytestmark = [
+    pytest.mark.heavy,
+    pytest.mark.filterwarnings("ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning"),
+]
 
 
 @pytest.mark.training

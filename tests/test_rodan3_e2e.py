@@ -71,6 +71,7 @@ pytestmark = [
     pytest.mark.rodan,
     pytest.mark.training,
     pytest.mark.slow,
+    pytest.mark.heavy,
     pytest.mark.xdist_group(GROUP),
     pytest.mark.filterwarnings("ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning"),
 ]

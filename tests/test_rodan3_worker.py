@@ -29,6 +29,7 @@ from tests.support.harness import Harness
 from tests.support.rodan3 import Rodan3Job, joined, take_all, wait_for_reply
 
 pytestmark = [
+    pytest.mark.heavy,
     pytest.mark.broker,
     pytest.mark.slurm,
     pytest.mark.training,

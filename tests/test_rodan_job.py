@@ -40,7 +40,7 @@ from tests.support.rodan_job import (
 )
 
 # One worker under --dist loadgroup runs this module and tests/test_rodan3_e2e.py: one Rodan.
-pytestmark = [pytest.mark.broker, pytest.mark.xdist_group(GROUP)]
+pytestmark = [pytest.mark.broker, pytest.mark.heavy, pytest.mark.xdist_group(GROUP)]
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "rodan_job"

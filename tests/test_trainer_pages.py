@@ -401,6 +401,7 @@ def build_paco_model(tmp_path: Path, size: int, steps: int) -> tuple[Path, Path]
 
 @pytest.mark.training
 @pytest.mark.slow  # Paco's model built in TensorFlow 2.15.1, three short trainings, three consumers
+@pytest.mark.heavy
 def test_a_model_paco_wrote_starts_training_and_the_result_opens_in_rodans_tensorflow(tmp_path: Path) -> None:
     """Paco's automatic layer names, its Masking layer, its Adam state and its 64x64 input, read by
     layer order: the weights predict in Keras 3 what they predicted in TensorFlow 2.15.1; training

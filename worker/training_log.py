@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -136,7 +137,13 @@ class TrainingLog:
             os.close(fd)
 
     def _save_state(self) -> None:
-        atomic_write_json(self._state_path, self._state.to_json())
+        # Replaced whole on every save: it keeps the mode the run directory gave the log (group-readable
+        # runs: worker/trainer/rundir.py), not the new file's 0600.
+        try:
+            mode = stat.S_IMODE(os.stat(self.path).st_mode)
+        except FileNotFoundError:
+            mode = 0o600
+        atomic_write_json(self._state_path, self._state.to_json(), mode=mode)
 
     def job_started(
         self,

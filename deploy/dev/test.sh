@@ -13,9 +13,11 @@ echo "[test] mypy"
 echo "[test] import contracts"
 .venv/bin/lint-imports --no-cache
 echo "[test] pytest"
-# Three phases. Everything that shares the services runs in parallel (HPC_TEST_WORKERS processes,
+# Four phases. Everything that shares the services runs in parallel (HPC_TEST_WORKERS processes,
 # default 4: on 2 cores four overlap the tests' waits on schedulers, while the trainings keep the
-# CPUs busy; longest first, see tests/conftest.py). Then the tests that stop a shared service (marker "exclusive"), one at a
+# CPUs busy; longest first, see tests/conftest.py). Then the scenarios that load both cores by
+# themselves (marker "heavy": the real Rodan end to end, the Paco benchmark), two at a time, so that
+# they do not starve the parallel phase's timed waits. Then the tests that stop a shared service (marker "exclusive"), one at a
 # time per cluster. Then, alone, the secrets scan (marker "last", tests/test_fault_secrets.py),
 # which reads everything the run left, and only that: each phase has its own base temporary
 # directory under one run directory. Every phase runs; the exit status is the first failure's.
@@ -30,7 +32,8 @@ phase() { # phase NAME PYTEST-ARGS...: run pytest; the first failing status is k
   if [ "$code" -ne 0 ] && [ "$code" -ne 5 ] && [ "$status" -eq 0 ]; then status=$code; fi
 }
 phase parallel -n "${HPC_TEST_WORKERS:-4}" --dist loadgroup --no-loadscope-reorder --durations=25 \
-    -m "not exclusive and not last" "$@"
+    -m "not exclusive and not last and not heavy" "$@"
+phase heavy -n 2 --dist loadgroup --durations=10 -m "heavy and not exclusive and not last" "$@"
 phase exclusive -n 2 --dist loadgroup --durations=10 -m exclusive "$@"
 phase last -m last "$@"
 if [ "$status" -eq 0 ]; then rm -rf "$run_tmp"; else echo "[test] what the tests left: $run_tmp"; fi
