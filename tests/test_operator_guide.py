@@ -127,6 +127,7 @@ def test_following_the_operator_guide_gives_a_working_cron_deployment(
         assert upgraded.returncode == 0, upgraded.stdout[-4000:] + upgraded.stderr[-2000:]
         assert "FAIL" not in upgraded.stdout
     finally:
+        # First, so that a timeout in the clean-up cannot leave it: it holds the passwords, like a credentials.env.
+        (tmp_path / "settings.json").unlink()
         _follow("--cleanup", timeout=120)
-        (tmp_path / "settings.json").unlink()  # it holds the passwords, like a credentials.env
     assert subprocess.run(["id", USER], capture_output=True).returncode != 0

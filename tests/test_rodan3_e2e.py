@@ -44,26 +44,13 @@ import pytest
 
 pytest.importorskip("keras")  # the worker extra (the starting model is built with our trainer)
 
+from bridge.testing.rodan_api import FAILED, FINISHED, PROCESSING, Api, Upload
 from bridge.testing.samples import make_sample_page, make_sample_zip
 from consumers import by_name, classify
 from tests.support.broker import Queues, Rodan
 from tests.support.cluster import Cluster
 from tests.support.harness import Harness
-from tests.support.rodan_job import (
-    FAILED,
-    FINISHED,
-    GROUP,
-    PROCESSING,
-    WORKER_SETTINGS,
-    Api,
-    RodanWithJob,
-    Upload,
-    create_project,
-    output_files,
-    run_job,
-    start_workflow,
-    take_request,
-)
+from tests.support.rodan_job import GROUP, JOB_NAME, WORKER_SETTINGS, RodanWithJob, take_request
 
 pytestmark = [
     pytest.mark.broker,
@@ -248,7 +235,7 @@ def scenario(
     ]
     scenario.runs = {run.name: run for run in runs}
     try:
-        project = create_project(rodan, session)
+        project = session.create_project()
         model = starting_model(tmp / "start.hdf5", 32)
         for seed, run in enumerate(runs):
             zips, first = sample_zips(pages, run, 10 * seed)
@@ -261,7 +248,7 @@ def scenario(
             if run.name == "not a model":
                 inputs["Background Model"] = Upload("start.hdf5", first.read_bytes(), "keras/model+hdf5")
             settings = SETTINGS_OF.get(run.name, SETTINGS)
-            run.url, run.paths = start_workflow(rodan, session, inputs, run.outputs, settings, project=project)
+            run.url, run.paths = session.start_workflow(JOB_NAME, inputs, run.outputs, settings, project=project)
             run.runjob = runjob_of(scenario, run)
             rodan.reply_queues.append(f"hpc-results.{run.corr}")
             if run.name == "bridge down":
@@ -289,8 +276,8 @@ def scenario(
                 status = session.get(run.url).json()
                 if status["status"] in (FINISHED, FAILED):
                     run.ended = dict(status)
-                    run.runjob = run_job(session, rodan, status)
-                    run.files = output_files(session, run.runjob) if status["status"] == FINISHED else {}
+                    (run.runjob,) = session.run_jobs(status)  # the job alone: one RunJob
+                    run.files = session.output_files(run.runjob) if status["status"] == FINISHED else {}
                     del pending[name]
             time.sleep(3)
         assert not pending, f"runs still going after {SCENARIO_TIMEOUT_S} s: {sorted(pending)}\n{harness.log_tail()}"
@@ -326,13 +313,15 @@ def check_log_file(run: Run, *, starting: bool) -> list[str]:
     assert f"layer Layer {run.layers + 1}" not in story
     ports = model_ports(run.layers)
     assert f"finished: {len(ports)} models ({', '.join(ports)})" in lines[-1], lines[-1]
+    assert lines[-1].endswith("over 1 job"), lines[-1]
     return lines
 
 
 def test_a_users_run_gives_models_that_rodans_classifier_uses(scenario: Scenario, tmp_path: Path) -> None:
     """Project, two sample zips and a starting model, a workflow of our job: the run finishes with
     the models, the Log File and the Multi-Sample Zip; each model opens in Rodan's TensorFlow 2.5.1
-    and 2.15.1 and classifies a page through Paco_classifier's own ``process_image_msae``."""
+    and 2.15.1 and classifies a page through Paco_classifier's own ``process_image_msae``
+    (consumers/paco.py runs Paco's source unchanged), to the same labels in both."""
     run = scenario.runs["two layers"]
     assert run.ended["status"] == FINISHED, (run.runjob["error_summary"], run.runjob["error_details"])
     assert run.runjob["status"] == FINISHED
@@ -349,12 +338,18 @@ def test_a_users_run_gives_models_that_rodans_classifier_uses(scenario: Scenario
         assert run.files[port].startswith(b"\x89HDF\r\n\x1a\n"), port
         models.append(tmp_path / f"{port}.hdf5")
         models[-1].write_bytes(run.files[port])
+    pages = {}
     for consumer, version in (("tf2.5.1-py3.7", "2.5.1"), ("tf2.15.1-py3.11", "2.15.1")):
         labels_file = tmp_path / f"labels-{version}.npy"
+        # The classifier job's window, not the training patch: Paco's padding of 25 needs more than
+        # 51 pixels, and Paco calls predict once per window and model (a larger window: fewer calls).
         info = classify(by_name(consumer), scenario.page_files[run.name], models, (128, 128), labels_file)
-        labels = np.load(labels_file)
+        pages[version] = np.load(labels_file)
         assert info["tensorflow"] == version
-        assert labels.shape == (256, 256) and set(np.unique(labels).tolist()) <= {0, 1, 2}
+        assert pages[version].shape == (256, 256) and pages[version].dtype == np.uint8
+        assert set(np.unique(pages[version]).tolist()) <= {0, 1, 2}
+    # The same weights give the same page in both of Rodan's TensorFlow versions.
+    assert float(np.mean(pages["2.5.1"] == pages["2.15.1"])) >= 0.99
 
 
 def test_concurrent_runs_each_get_their_own_models(scenario: Scenario) -> None:

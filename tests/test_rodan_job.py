@@ -6,41 +6,18 @@ rodan_job/README.md says what each proves. A missing Python 3.7 fails the test (
 
 from __future__ import annotations
 
-import base64
 import fcntl
 import hashlib
-import io
-import json
 import os
-import signal
-import struct
 import subprocess
-import time
-import zipfile
-import zlib
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from consumers import find_python
-from tests.support.rodan_job import (
-    GROUP,
-    JOB_NAME,
-    POLL_SECONDS,
-    Api,
-    RodanWithJob,
-    Upload,
-    output_files,
-    publish_parts,
-    run_job,
-    start_workflow,
-    take_request,
-    wait_run,
-)
+from tests.support.rodan_job import GROUP, JOB_NAME, RodanWithJob
 
-# One worker under --dist loadgroup runs this module and tests/test_rodan3_e2e.py: one Rodan.
-pytestmark = [pytest.mark.broker, pytest.mark.heavy, pytest.mark.xdist_group(GROUP)]
+pytestmark = pytest.mark.broker
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "rodan_job"
@@ -91,122 +68,15 @@ def test_the_job_package_tests_pass_in_rodans_python(broker_url: str) -> None:
 
 
 # --- the job inside a real Rodan 3.1.0 (deploy/dev/rodan.sh with this package) -------------------
-# The session's Rodan with the job package and the REST helpers: tests/support/rodan_job.py.
-
-
-def sample_zip(layers: int, seed: int) -> bytes:
-    """A Pixel.js sample: image, selected regions, background and ``layers`` layers (PNG)."""
-    names = ["Image.png", "rgba PNG - Selected regions.png", "rgba PNG - Layer 0 (Background).png"]
-    names += [f"rgba PNG - Layer {n}.png" for n in range(1, layers + 1)]
-    out = io.BytesIO()
-    with zipfile.ZipFile(out, "w") as archive:
-        for index, name in enumerate(names):
-            archive.writestr(name, make_png(4 + seed, 3, (seed, index, 9, 255)))
-    return out.getvalue()
-
-
-def make_png(width: int, height: int, rgba: tuple[int, int, int, int]) -> bytes:
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 6, 0, 0, 0)
-    rows = (b"\x00" + bytes(rgba) * width) * height
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
-
-
-def start_run(rodan: RodanWithJob, session: Api, settings: dict[str, Any]) -> tuple[str, dict[str, str]]:
-    """Upload two samples, build a workflow of the job alone (Sample 1, Sample 2 -> Log File,
-    Background Model, Model 1, Model 2, Multi-Sample Zip) and start it; (workflow run URL, the
-    samples' /uploads/ paths by port)."""
-    inputs = {f"Sample {n}": Upload(f"sample{n}.zip", sample_zip(2, n)) for n in (1, 2)}
-    outputs = ["Log File", "Background Model", "Model 1", "Model 2", "Multi-Sample Zip"]
-    return start_workflow(rodan, session, inputs, outputs, settings)
-
-
-SETTINGS = {
-    "Batch Size": 8,
-    "Maximum number of training epochs": 2,
-    "Maximum number of samples per label": 100,
-    "Patience": 15,
-    "Patch height": 64,
-    "Patch width": 64,
-    "Maximum time (D-HH:MM)": "0-00:10",
-    "Maximum memory (MB)": 2000,
-    "CPUs": 1,
-    "Slurm Notification Email": "",
-}
+# The session's Rodan with the job package: tests/support/rodan_job.py. Workflow runs of the job
+# through Rodan's REST API and its Celery worker (waiting through a killed worker, error replies,
+# the silence bound) are tests/test_rodan3_e2e.py's scenario, with the real bridge answering.
 
 
 @pytest.mark.slow
 @pytest.mark.rodan
-def test_a_workflow_run_waits_through_a_worker_restart_and_gets_its_models(
-    rodan_with_job: RodanWithJob, broker_url: str
-) -> None:
-    """Rodan's own worker runs the job: one request with the RunJob's uuid and the samples'
-    /uploads/ paths; the RunJob stays PROCESSING while it polls; the Celery worker is stopped and
-    started again in the middle of the wait; the reply (parts out of order) then finishes the
-    workflow run with exactly the files the reply carried."""
-    rodan = rodan_with_job
-    session = rodan.session()
-    run_url, paths = start_run(rodan, session, SETTINGS)
-    properties, request = take_request(broker_url, rodan.request_queue, 180)
-    rodan.reply_queues.append(properties.reply_to)
-    run = session.get(run_url).json()
-    runjob = run_job(session, rodan, run)
-    assert properties.correlation_id == runjob["uuid"]
-    assert properties.reply_to == f"hpc-results.{runjob['uuid']}" and properties.delivery_mode == 2
-    assert request == {"inputs": paths, "settings": SETTINGS}
-    time.sleep(3 * POLL_SECONDS)
-    assert session.get(runjob["url"]).json()["status"] == 1  # PROCESSING: waiting, not failed
-
-    os.killpg(rodan.worker_pid(), signal.SIGTERM)  # Celery's warm shutdown; the retry message goes back
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and Path(f"/proc/{rodan.worker_pid()}").exists():
-        time.sleep(0.5)
-    rodan.up()  # the worker again (rodan.sh restarts what is not running)
-
-    files = {
-        "Background Model": b"\x89HDF\r\n\x1a\n" + os.urandom(4000),
-        "Model 1": b"\x89HDF\r\n\x1a\n" + os.urandom(4000),
-        "Model 2": b"\x89HDF\r\n\x1a\n" + os.urandom(4000),
-        "Log File": b"epoch 1 loss 0.5\nepoch 2 loss 0.4\n",
-    }
-    body = json.dumps({k: base64.encodebytes(v).decode() for k, v in files.items()}).encode()
-    publish_parts(broker_url, properties.reply_to, properties.correlation_id, body, [3, 1, 2])
-    ended = wait_run(session, run_url, 180)
-    runjob = session.get(runjob["url"]).json()
-    assert ended["status"] == 4, (runjob["error_summary"], runjob["error_details"])
-    got = output_files(session, runjob)
-    assert {k: got[k] for k in files} == files
-    with zipfile.ZipFile(io.BytesIO(got["Multi-Sample Zip"])) as archive:
-        assert sorted({n.split("/")[0] for n in archive.namelist()}) == ["Sample 1", "Sample 2"]
-        assert len(archive.namelist()) == 2 * 5
-    # Exactly one request for the run, whatever the restart did.
-    with pytest.raises(AssertionError, match="no request"):
-        take_request(broker_url, rodan.request_queue, 3)
-
-
-@pytest.mark.slow
-@pytest.mark.rodan
-def test_an_error_reply_fails_the_run_with_its_reason(rodan_with_job: RodanWithJob, broker_url: str) -> None:
-    rodan = rodan_with_job
-    session = rodan.session()
-    run_url, _ = start_run(rodan, session, SETTINGS)
-    properties, _request = take_request(broker_url, rodan.request_queue, 180)
-    rodan.reply_queues.append(properties.reply_to)
-    reason = "Slurm job 61 ended without a result: OUT_OF_MEMORY: raise 'Maximum memory (MB)'"
-    publish_parts(
-        broker_url, properties.reply_to, properties.correlation_id, json.dumps({"error": reason}).encode(), [1]
-    )
-    ended = wait_run(session, run_url, 180)
-    runjob = run_job(session, rodan, ended)
-    assert ended["status"] == -1 and runjob["status"] == -1
-    assert runjob["error_summary"] == f"The HPC training failed: {reason}"
-    assert "guest:guest" not in (runjob["error_details"] or "")
-
-
-@pytest.mark.slow
-@pytest.mark.rodan
+@pytest.mark.heavy
+@pytest.mark.xdist_group(GROUP)  # one worker under --dist loadgroup: the Rodan of tests/test_rodan3_e2e.py
 def test_rodans_own_job_tests_pass_for_the_job(rodan_with_job: RodanWithJob) -> None:
     """``manage.py test rodan.test.test_all_jobs`` (Rodan's runner, which calls every job's
     ``test_my_task``) in the worker's own environment: our job's line says it passed. (Two of the

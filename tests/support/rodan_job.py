@@ -1,5 +1,5 @@
-"""A real Rodan 3.1.0 with our job package (rodan_job/hpc_paco_trainer) for the tests, and what they
-do with it through Rodan's REST API: a project, uploads, a workflow of the job alone, a run, polling.
+"""A real Rodan 3.1.0 with our job package (rodan_job/hpc_paco_trainer) for the tests; what they do
+with it through Rodan's REST API is ``bridge.testing.rodan_api`` (as the demo does).
 
 One Rodan per test process: the session fixture ``rodan_with_job`` (registered by tests/conftest.py,
 which gives its tests the ``rodan`` marker) brings it up with ``deploy/dev/rodan.sh up --job-package``
@@ -31,7 +31,8 @@ from urllib.parse import urlsplit
 
 import pika
 import pytest
-import requests
+
+from bridge.testing.rodan_api import Api
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "rodan_job" / "hpc_paco_trainer"
@@ -49,32 +50,6 @@ WORKER_SETTINGS = {
     "HPC_BRIDGE_MAX_PENDING": "20",
     "HPC_SILENCE_SLACK": "10",
 }
-#: WorkflowRun and RunJob statuses (rodan/constants.py).
-FINISHED, FAILED, PROCESSING = 4, -1, 1
-
-
-class Api:
-    """Rodan's REST API with a token, one connection per request (runserver closes each
-    connection after its answer without saying so)."""
-
-    def __init__(self, token: str) -> None:
-        self.token = token
-
-    def request(self, method: str, url: str, **kwargs: Any) -> requests.Response:
-        with requests.Session() as session:
-            session.headers.update(
-                {"Accept": "application/json", "Connection": "close", "Authorization": f"Token {self.token}"}
-            )
-            return session.request(method, url, timeout=60, **kwargs)
-
-    def get(self, url: str, **kwargs: Any) -> requests.Response:
-        return self.request("GET", url, **kwargs)
-
-    def post(self, url: str, **kwargs: Any) -> requests.Response:
-        return self.request("POST", url, **kwargs)
-
-    def patch(self, url: str, **kwargs: Any) -> requests.Response:
-        return self.request("PATCH", url, **kwargs)
 
 
 @dataclass
@@ -96,11 +71,8 @@ class RodanWithJob:
         return urlsplit(self.url).netloc
 
     def session(self) -> Api:
-        with requests.Session() as session:
-            session.headers.update({"Accept": "application/json", "Connection": "close"})
-            token = session.post(f"{self.url}/api/auth/token/", data={"email": self.email, "password": self.password})
-        token.raise_for_status()
-        return Api(str(token.json()["token"]))
+        """Rodan's REST API as the test account (a fresh token)."""
+        return Api.login(self.url, self.email, self.password)
 
     def up(self) -> None:
         done = subprocess.run(
@@ -214,146 +186,6 @@ def rodan_with_job(tmp_path_factory: pytest.TempPathFactory, broker_url: str) ->
             connection.close()
 
 
-# --- the REST API ----------------------------------------------------------------------------------
-
-
-def created(response: requests.Response) -> dict[str, Any]:
-    assert response.status_code == 201, (
-        f"{response.request.method} {response.url}: {response.status_code} {response.text[:500]}"
-    )
-    body = response.json()
-    return dict(body[0] if isinstance(body, list) else body)
-
-
-@dataclass(frozen=True)
-class Upload:
-    """A file to upload for an input port: its name, bytes and Rodan resource type."""
-
-    name: str
-    data: bytes = field(repr=False)
-    resource_type: str = "application/zip"
-
-
-def create_project(rodan: RodanWithJob, session: Api) -> str:
-    """A new project; its API URL."""
-    project = created(session.post(f"{rodan.url}/api/projects/", data={"name": f"hpc-job-{uuid.uuid4().hex[:8]}"}))
-    return str(project["url"])
-
-
-def upload(rodan: RodanWithJob, session: Api, project: str, file: Upload, timeout_s: float = 180) -> dict[str, Any]:
-    """``POST /api/resources/``, then wait until Rodan has given the resource its type: Rodan
-    files it as ``application/octet-stream`` and its Celery task ``rodan.core.create_resource``
-    sets the claimed type later (a workflow run refuses the resource before that). The resource's
-    JSON (``url``, ``resource_file``)."""
-    resource = created(
-        session.post(
-            f"{rodan.url}/api/resources/",
-            data={"project": project, "type": file.resource_type},
-            files={"files": (file.name, file.data, file.resource_type)},
-        )
-    )
-    deadline = time.monotonic() + timeout_s
-    while True:
-        resource = session.get(resource["url"]).json()
-        if session.get(resource["resource_type"]).json()["mimetype"] == file.resource_type:
-            return dict(resource)
-        if time.monotonic() > deadline:
-            raise AssertionError(
-                f"Rodan did not make {file.name!r} a {file.resource_type} in {timeout_s} s: {resource}"
-            )
-        time.sleep(1)
-
-
-def the_job(rodan: RodanWithJob, session: Api) -> dict[str, Any]:
-    jobs = session.get(f"{rodan.url}/api/jobs/", params={"name": JOB_NAME}).json()["results"]
-    return dict(next(j for j in jobs if j["name"] == JOB_NAME))
-
-
-def start_workflow(
-    rodan: RodanWithJob,
-    session: Api,
-    inputs: dict[str, Upload],
-    outputs: list[str],
-    settings: dict[str, Any],
-    *,
-    project: str | None = None,
-    name: str = "hpc run",
-) -> tuple[str, dict[str, str]]:
-    """Upload each input, build a workflow of the job alone (those input ports, the ``outputs``
-    ports) in ``project`` (a new one by default), make it valid and run it: (workflow run URL, the
-    inputs' ``/uploads/`` paths by port)."""
-    project = project or create_project(rodan, session)
-    job = the_job(rodan, session)
-    in_types = {p["name"]: p["url"] for p in job["input_port_types"]}
-    out_types = {p["name"]: p["url"] for p in job["output_port_types"]}
-    workflow = created(session.post(f"{rodan.url}/api/workflows/", data={"project": project, "name": name}))
-    wfjob = created(
-        session.post(
-            f"{rodan.url}/api/workflowjobs/",
-            json={"workflow": workflow["url"], "job": job["url"], "job_settings": settings},
-        )
-    )
-    assignments: dict[str, list[str]] = {}
-    paths: dict[str, str] = {}
-    for port_name, file in inputs.items():
-        resource = upload(rodan, session, project, file)
-        port = created(
-            session.post(
-                f"{rodan.url}/api/inputports/",
-                data={"workflow_job": wfjob["url"], "input_port_type": in_types[port_name]},
-            )
-        )
-        assignments[port["url"]] = [resource["url"]]
-        paths[port_name] = urlsplit(resource["resource_file"]).path
-    for port_name in outputs:
-        created(
-            session.post(
-                f"{rodan.url}/api/outputports/",
-                data={"workflow_job": wfjob["url"], "output_port_type": out_types[port_name]},
-            )
-        )
-    valid = session.patch(workflow["url"], json={"valid": True})
-    assert valid.status_code == 200, valid.text[:500]
-    run = created(
-        session.post(
-            f"{rodan.url}/api/workflowruns/",
-            json={"workflow": workflow["url"], "resource_assignments": assignments, "name": name},
-        )
-    )
-    return str(run["url"]), paths
-
-
-def wait_run(session: Api, run_url: str, timeout_s: float) -> dict[str, Any]:
-    """Poll the workflow run until it finished (4) or failed (-1)."""
-    deadline = time.monotonic() + timeout_s
-    run: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        run = session.get(run_url).json()
-        if run["status"] in (FINISHED, FAILED):
-            return dict(run)
-        time.sleep(1)
-    raise AssertionError(f"the workflow run did not end within {timeout_s} s: {run}")
-
-
-def run_job(session: Api, rodan: RodanWithJob, run: dict[str, Any]) -> dict[str, Any]:
-    """The one RunJob of a workflow run of the job alone."""
-    runjobs = session.get(f"{rodan.url}/api/runjobs/", params={"workflow_run": run["uuid"]}).json()["results"]
-    assert len(runjobs) == 1
-    return dict(runjobs[0])
-
-
-def output_files(session: Api, runjob: dict[str, Any]) -> dict[str, bytes]:
-    """Each output port's file of a RunJob, downloaded."""
-    files = {}
-    for output_url in runjob["outputs"]:
-        output = session.get(output_url).json()
-        resource = session.get(output["resource"]).json()
-        download = session.get(resource["resource_file"])
-        download.raise_for_status()
-        files[output["output_port_type_name"]] = download.content
-    return files
-
-
 # --- the broker's side -------------------------------------------------------------------------------
 
 
@@ -370,30 +202,5 @@ def take_request(broker_url: str, queue: str, timeout_s: float) -> tuple[Any, di
                 return properties, json.loads(body)
             time.sleep(0.5)
         raise AssertionError(f"no request in {queue} within {timeout_s} s")
-    finally:
-        connection.close()
-
-
-def publish_parts(broker_url: str, reply_to: str, correlation_id: str, body: bytes, order: list[int]) -> None:
-    """Publish ``body`` to ``reply_to`` in ``len(set(order))`` parts, in ``order``, as the bridge does."""
-    parts = len(set(order))
-    size = -(-len(body) // parts)
-    pieces = [body[i * size : (i + 1) * size] for i in range(parts)]
-    connection = pika.BlockingConnection(pika.URLParameters(broker_url))
-    try:
-        channel = connection.channel()
-        channel.confirm_delivery()
-        for number in order:
-            channel.basic_publish(
-                exchange="",
-                routing_key=reply_to,
-                body=pieces[number - 1],
-                properties=pika.BasicProperties(
-                    correlation_id=correlation_id,
-                    delivery_mode=2,
-                    headers={"x-hpc-part": number, "x-hpc-parts": parts},
-                ),
-                mandatory=True,
-            )
     finally:
         connection.close()
