@@ -13,14 +13,17 @@ echo "[test] mypy"
 echo "[test] import contracts"
 .venv/bin/lint-imports --no-cache
 echo "[test] pytest"
-# Four phases. Everything that shares the services runs in parallel (HPC_TEST_WORKERS processes,
+# Four phases. First, every test that uses a scheduler in parallel (HPC_TEST_WORKERS processes,
 # default 4: on 2 cores four overlap the tests' waits on schedulers, while the trainings keep the
 # CPUs busy; longest first, see tests/conftest.py). Then the scenarios that load both cores by
 # themselves (marker "heavy": the real Rodan end to end, the Paco benchmark), two at a time, so that
-# they do not starve the parallel phase's timed waits. Then the tests that stop a shared service (marker "exclusive"), one at a
-# time per cluster. Then, alone, the secrets scan (marker "last", tests/test_fault_secrets.py),
-# which reads everything the run left, and only that: each phase has its own base temporary
-# directory under one run directory. Every phase runs; the exit status is the first failure's.
+# they do not starve the other phases' timed waits. Then the tests that stop a shared scheduler
+# (marker "exclusive"), one at a time per cluster, and beside them every test that needs no
+# scheduler (no marker slurm or gridengine: tests/conftest.py stops such a test from reaching one),
+# whose CPU work fills the outages' waits. Then, alone, the secrets scan (marker "last",
+# tests/test_fault_secrets.py), which reads everything the run left, and only that: each phase has
+# its own base temporary directory under one run directory. Every phase runs; the exit status is
+# the first failure's.
 run_tmp=$(mktemp -d /tmp/hpc-bridge-tests.XXXXXX)
 export HPC_TEST_SCAN_DIRS="$run_tmp"
 status=0
@@ -31,10 +34,11 @@ phase() { # phase NAME PYTEST-ARGS...: run pytest; the first failing status is k
   .venv/bin/python -m pytest -q -p no:cacheprovider --basetemp "$run_tmp/$name" "$@" || code=$?
   if [ "$code" -ne 0 ] && [ "$code" -ne 5 ] && [ "$status" -eq 0 ]; then status=$code; fi
 }
-phase parallel -n "${HPC_TEST_WORKERS:-4}" --dist loadgroup --no-loadscope-reorder --durations=25 \
-    -m "not exclusive and not last and not heavy" "$@"
+phase schedulers -n "${HPC_TEST_WORKERS:-4}" --dist loadgroup --no-loadscope-reorder --durations=25 \
+    -m "(slurm or gridengine) and not exclusive and not last and not heavy" "$@"
 phase heavy -n 2 --dist loadgroup --durations=10 -m "heavy and not exclusive and not last" "$@"
-phase exclusive -n 2 --dist loadgroup --durations=10 -m exclusive "$@"
+phase outages -n "${HPC_TEST_WORKERS:-4}" --dist loadgroup --no-loadscope-reorder --durations=25 \
+    -m "exclusive or not (slurm or gridengine or heavy or last)" "$@"
 phase last -m last "$@"
 if [ "$status" -eq 0 ]; then rm -rf "$run_tmp"; else echo "[test] what the tests left: $run_tmp"; fi
 exit "$status"
