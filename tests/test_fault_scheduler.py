@@ -1,8 +1,8 @@
 """Scheduler trouble (fault suite item 4: docs/reliability.md): controller and accounting outages.
 
 Every test stops a shared daemon, so every test is ``exclusive`` (deploy/dev/test.sh runs these
-after the parallel phase, one at a time per cluster: the Slurm tests beside the Grid Engine ones,
-each cluster's in its own ``xdist_group``) and restores the daemons in its fixture's teardown
+after the scheduler tests, one at a time per cluster: the Slurm tests beside the Grid Engine ones,
+each cluster's in its own ``xdist_group``, and beside the tests that need no scheduler) and restores the daemons in its fixture's teardown
 (``deploy/dev/slurm.sh up`` / ``gridengine.sh up``, both idempotent), even when it fails.
 
 The bridge runs as cron runs it (``hpc-bridge check``, a fresh process per pass) against the real
