@@ -19,6 +19,7 @@ CASES = {
     "bench_reply.py": ["path", "median ms", "best ms", "peak RSS growth MB (median)"],
     "bench_idle.py": ["phase", "wall s", "CPU s (daemon)", "CPU %", "RSS MiB at end", "peak RSS MiB"],
     "bench_paco.py": ["side", "samples/s", "ms / step", "peak RSS MiB"],
+    "bench_patch_share.py": ["layer", "page share", "ours: target share", "paco: target share"],
 }
 NEEDS_SLURM = {"bench_pickup.py", "bench_intake.py", "bench_idle.py"}
 #: Real TensorFlow trainings (ours in .venv, Paco_classifier's in the TF 2.15.1 consumer environment):
