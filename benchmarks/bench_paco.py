@@ -113,25 +113,9 @@ def child(spec_path: Path) -> int:
     imported = time.time()
     layers: list[dict[str, Any]] = []
 
-    class Timeline(keras.callbacks.Callback):  # type: ignore[misc]
-        def __init__(self, events: list[Any]) -> None:
-            super().__init__()
-            self.events = events
+    from timeline import timeline_class
 
-        def on_train_begin(self, logs: Any = None) -> None:
-            self.events.append(["train_begin", None, time.time()])
-
-        def on_train_end(self, logs: Any = None) -> None:
-            self.events.append(["train_end", None, time.time()])
-
-        def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
-            self.events.append(["epoch_begin", epoch, time.time()])
-
-        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-            self.events.append(["batch_end", batch, time.time()])
-
-        def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-            self.events.append(["epoch_end", epoch, time.time()])
+    Timeline = timeline_class(keras.callbacks.Callback)
 
     class TimedRunDirectory(RunDirectory):
         def keras_callbacks(self, label: str) -> list[Any]:

@@ -64,9 +64,7 @@ def ours(pages: list[list[Any]], patch: int, samples: int, seed: int) -> list[fl
     from worker.trainer.sampling import run_pages_centres
 
     labels = [str(n) for n in range(len(LAYER_NAMES))]
-    centres = run_pages_centres(
-        [dict(zip(labels, masks, strict=True)) for masks in pages], patch, patch, samples, seed
-    )
+    centres = run_pages_centres([dict(zip(labels, masks, strict=True)) for masks in pages], patch, patch, samples, seed)
     shares = []
     for label in labels:
         values = []

@@ -75,33 +75,17 @@ def train(spec_path: Path) -> int:
 
     layers: list[dict[str, Any]] = []
 
-    class Timeline(tf.keras.callbacks.Callback):  # type: ignore[misc]
-        def __init__(self, events: list[Any]) -> None:
-            super().__init__()
-            self.events = events
+    from timeline import timeline_class
 
-        def on_train_begin(self, logs: Any = None) -> None:
-            self.events.append(["train_begin", None, time.time()])
-
-        def on_train_end(self, logs: Any = None) -> None:
-            self.events.append(["train_end", None, time.time()])
-
-        def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
-            self.events.append(["epoch_begin", epoch, time.time()])
-
-        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-            self.events.append(["batch_end", batch, time.time()])
-
-        def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-            self.events.append(["epoch_end", epoch, time.time()])
-            layers[-1]["history"].append({k: float(v) for k, v in (logs or {}).items()})
+    Timeline = timeline_class(tf.keras.callbacks.Callback)
 
     original_fit = tf.keras.Model.fit
 
     def observed_fit(self: Any, *args: Any, callbacks: Any = None, **kwargs: Any) -> Any:
         layer: dict[str, Any] = {"events": [], "history": []}
         layers.append(layer)
-        return original_fit(self, *args, callbacks=[*(callbacks or []), Timeline(layer["events"])], **kwargs)
+        timeline = Timeline(layer["events"], layer["history"])
+        return original_fit(self, *args, callbacks=[*(callbacks or []), timeline], **kwargs)
 
     tf.keras.Model.fit = observed_fit
 
