@@ -147,14 +147,16 @@ def test_a_reply_whose_queue_never_appears_expires_and_is_counted(env, queues, t
     HPC_REPLY_WAIT has nobody waiting on it. The reply leaves the outbox instead of being tried on
     every pass for ever."""
     metrics = tmp_path / "metrics.prom"
-    environ = {**env, "HPC_REPLY_WAIT": "2", "HPC_METRICS_FILE": str(metrics)}
+    environ = {**env, "HPC_REPLY_WAIT": "60", "HPC_METRICS_FILE": str(metrics)}
     spool = Spool(Path(env["HPC_SPOOL_DIR"])).ensure()
     Ledger(spool).save(RequestRecord("lonely", "lonely", queues.reply, state=RequestState.SUBMITTED, job_id="1"))
-    ReplyBox(spool).stage("lonely", queues.reply, b'{"error": "x"}', origin="bridge")
+    staged = ReplyBox(spool).stage("lonely", queues.reply, b'{"error": "x"}', origin="bridge")
     first = run_bridge(environ, "check")
     assert first.returncode == 0, first.stderr[-2000:]
     assert (spool.outbox_dir / "lonely.json").exists(), "kept while it may still be wanted"
-    time.sleep(2.1)
+    # A minute passes (the staging time moved back, rather than a wait that a busy machine stretches).
+    meta = json.loads(staged.meta_path.read_text())
+    staged.meta_path.write_text(json.dumps({**meta, "staged_at": meta["staged_at"] - 61}))
     second = run_bridge(environ, "check")
     assert second.returncode == 0, second.stderr[-2000:]
     assert not list(spool.outbox_dir.iterdir())
@@ -229,16 +231,18 @@ def test_a_job_pending_longer_than_the_limit_is_cancelled_and_answered_with_the_
 ):
     name, flag = hold
     request.getfixturevalue(name)
-    environ = {**env, "HPC_SCHEDULER": name, "HPC_SCHEDULER_ARGS": flag, "HPC_MAX_PENDING": "3"}
+    # 10 s: two passes (a few seconds each on 2 busy cores) fit well inside it.
+    environ = {**env, "HPC_SCHEDULER": name, "HPC_SCHEDULER_ARGS": flag, "HPC_MAX_PENDING": "10"}
     spool = Path(env["HPC_SPOOL_DIR"])
     try:
         corr = rodan.publish_request(sample_inputs("new", n_layers=1), FAST_SETTINGS)
         assert run_bridge(environ, "check").returncode == 0
         record = ledger(spool, corr)
         assert record["state"] == "submitted"
-        assert run_bridge(environ, "check").returncode == 0  # sees it PENDING: the clock starts
-        assert rodan.drain() == []
-        time.sleep(3.1)
+        assert run_bridge(environ, "check").returncode == 0  # has seen it PENDING: the clock runs
+        pending_since = ledger(spool, corr)["pending_since"]
+        assert pending_since > 0 and rodan.drain() == []
+        time.sleep(max(0.0, pending_since + 10.1 - time.time()))
         wait_until(lambda: run_bridge(environ, "check").returncode == 0 and rodan.drain(), 60, 1, "the reply")
     finally:
         cancel_ledger_jobs(spool, Cluster(name))
