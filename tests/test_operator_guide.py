@@ -38,6 +38,7 @@ def _as_user(command: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="creates a system account and a crontab: run as root (CI does)")
+@pytest.mark.timeout(1500)  # two environments installed by pip: 320-420 s here, over 900 s once in a loaded CI
 def test_following_the_operator_guide_gives_a_working_cron_deployment(
     broker_url, standin, queues, rodan, sample_inputs, slurm, tmp_path
 ):
