@@ -2,8 +2,9 @@
 
 Every test stops a shared daemon, so every test is ``exclusive`` (deploy/dev/test.sh runs these
 after the scheduler tests, one at a time per cluster: the Slurm tests beside the Grid Engine ones,
-each cluster's in its own ``xdist_group``, and beside the tests that need no scheduler) and restores the daemons in its fixture's teardown
-(``deploy/dev/slurm.sh up`` / ``gridengine.sh up``, both idempotent), even when it fails.
+each cluster's in its own ``xdist_group``, and beside the tests that need no scheduler) and
+restores the daemons in its fixture's teardown (``deploy/dev/slurm.sh up`` / ``gridengine.sh up``,
+both idempotent), even when it fails.
 
 The bridge runs as cron runs it (``hpc-bridge check``, a fresh process per pass) against the real
 broker and the real cluster. The worker is a stand-in that replies nothing (``/bin/true``, or a
