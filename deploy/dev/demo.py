@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from bridge.enqueue import RequestWatcher  # noqa: E402
 from bridge.progress import Progress  # noqa: E402
-from bridge.testing.rodan_api import FINISHED, Api, RodanApiError, Upload  # noqa: E402
+from bridge.testing.rodan_api import FAILED, FINISHED, Api, RodanApiError, Upload  # noqa: E402
 from bridge.testing.samples import make_sample_page, make_sample_zip  # noqa: E402
 
 JOB_NAME = "Training model for Patchwise Analysis of Music Document, HPC"
@@ -153,7 +153,7 @@ def main() -> int:
                     progress.note(f"bridge pass {passes}: request {state}", out=say)
                     last_state = state
                 run = api.json(run_url)
-                if run["status"] in (FINISHED, -1):
+                if run["status"] in (FINISHED, FAILED):
                     break
             watcher = watcher or _watcher(spool)
             if watcher is None:
@@ -166,7 +166,7 @@ def main() -> int:
     finally:
         progress.finish()
     took = time.monotonic() - started
-    if run.get("status") not in (FINISHED, -1):
+    if run.get("status") not in (FINISHED, FAILED):
         say(f"the workflow run did not end within {args.timeout:.0f} s; bridge log: {run_dir / 'bridge.log'}")
         return 1
     (runjob,) = api.run_jobs(run)
