@@ -91,16 +91,21 @@ class Api:
         """A new project; its API URL."""
         return str(self.created("/api/projects/", data={"name": name or f"hpc-job-{uuid.uuid4().hex[:8]}"})["url"])
 
-    def upload(self, project: str, file: Upload, timeout_s: float = 180) -> dict[str, Any]:
-        """``POST /api/resources/``, then wait until Rodan has given the resource its type: Rodan
-        files it as ``application/octet-stream`` and its Celery task ``rodan.core.create_resource``
-        sets the claimed type later (a workflow run refuses the resource before that). The
-        resource's JSON (``url``, ``resource_file``)."""
-        resource = self.created(
+    def post_resource(self, project: str, file: Upload) -> dict[str, Any]:
+        """``POST /api/resources/`` (multipart): the new resource's JSON (``url``,
+        ``resource_file``), its file served at once, its type not yet set (see :meth:`upload`)."""
+        return self.created(
             "/api/resources/",
             data={"project": project, "type": file.resource_type},
             files={"files": (file.name, file.data, file.resource_type)},
         )
+
+    def upload(self, project: str, file: Upload, timeout_s: float = 180) -> dict[str, Any]:
+        """:meth:`post_resource`, then wait until Rodan has given the resource its type: Rodan
+        files it as ``application/octet-stream`` and its Celery task ``rodan.core.create_resource``
+        sets the claimed type later (a workflow run refuses the resource before that). The
+        resource's JSON (``url``, ``resource_file``)."""
+        resource = self.post_resource(project, file)
         deadline = time.monotonic() + timeout_s
         while True:
             resource = self.json(resource["url"])

@@ -19,6 +19,8 @@ from urllib.parse import urlsplit
 import pytest
 import requests
 
+from bridge.testing.rodan_api import Api, Upload
+
 REPO = Path(__file__).resolve().parents[2]
 RODAN_SH = REPO / "deploy" / "dev" / "rodan.sh"
 #: A cold ``up`` (venv built, migrate) takes about a minute and a half; a warm one seconds.
@@ -75,17 +77,13 @@ class RealRodan:
         response.raise_for_status()
         return str(response.json()["token"])
 
+    def api(self, *, token: str | None = None) -> Api:
+        """Rodan's REST API as the test account (``bridge.testing.rodan_api``, as the demo drives it)."""
+        return Api(self.url, token or self.token())
+
     def create_project(self, name: str | None = None, *, token: str | None = None) -> str:
         """A new project; its API URL (``http://.../api/project/UUID/``)."""
-        with self.session(token=token or self.token()) as session:
-            response = session.post(
-                f"{self.url}/api/projects/",
-                data={"name": name or f"test-{uuid.uuid4().hex[:8]}"},
-                timeout=REQUEST_TIMEOUT_S,
-            )
-        if response.status_code != 201:
-            raise AssertionError(f"POST /api/projects/ answered {response.status_code}: {response.text[:300]}")
-        return str(response.json()["url"])
+        return self.api(token=token).create_project(name or f"test-{uuid.uuid4().hex[:8]}")
 
     def upload(
         self,
@@ -96,18 +94,9 @@ class RealRodan:
         resource_type: str = "image/rgb+png",
         token: str | None = None,
     ) -> Resource:
-        """Upload ``data`` as a resource of ``project`` (``POST /api/resources/``, multipart)."""
-        with self.session(token=token or self.token()) as session:
-            response = session.post(
-                f"{self.url}/api/resources/",
-                data={"project": project, "type": resource_type},
-                files={"files": (name, data, "application/octet-stream")},
-                timeout=REQUEST_TIMEOUT_S,
-            )
-        if response.status_code != 201:
-            raise AssertionError(f"POST /api/resources/ answered {response.status_code}: {response.text[:300]}")
-        created = response.json()
-        first = created[0] if isinstance(created, list) else created
+        """Upload ``data`` as a resource of ``project`` (``POST /api/resources/``, multipart); its
+        file is served at once (the tests do not wait for Rodan to set its type)."""
+        first = self.api(token=token).post_resource(project, Upload(name, data, resource_type))
         return Resource(url=str(first["url"]), resource_file=str(first["resource_file"]))
 
 
