@@ -10,8 +10,10 @@ trained on a higher layer share predicts the layer on more pixels of a page whos
 * **ours**: the centres ``worker.trainer.sampling.run_pages_centres`` draws (the worker's sampler),
   each patch's top-left at ``(row - ph // 2, col - pw // 2)``, target = the layer's mask there
   (ANDed with the region, as the worker does);
-* **paco**: Paco's ``extractRandomSamplesClass`` rule (uniform among the layer's pixels of
-  ``gt[:-ph, :-pw]`` of the region-cropped page, the patch ``gt[row:row+ph, col:col+pw]``).
+* **paco**: Paco_classifier's own ``data_loader.extractRandomSamplesClass`` (from
+  ``consumers.paco.paco_source()``), called as its generator calls it, one batch at a time, on the
+  region-cropped page: a layer pixel drawn uniformly from ``gt[:-ph, :-pw]`` is the patch's
+  top-left corner.
 
     .venv/bin/python benchmarks/bench_patch_share.py              # patches 32 and 256, 1000 samples per label
     .venv/bin/python benchmarks/bench_patch_share.py --quick      # smoke test: patch 32, 64 samples
@@ -20,9 +22,11 @@ trained on a higher layer share predicts the layer on more pixels of a page whos
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import tempfile
+import types
 from pathlib import Path
 from typing import Any
 
@@ -75,20 +79,36 @@ def ours(pages: list[list[Any]], patch: int, samples: int, seed: int) -> list[fl
     return shares
 
 
-def paco(pages: list[list[Any]], patch: int, samples: int, seed: int) -> list[float]:
-    """Mean layer share of the targets of Paco's RANDOM extraction, per layer (pages alike)."""
+def paco_data_loader() -> Any:
+    """Paco_classifier's own ``data_loader`` module (``consumers.paco.paco_source()``): standard
+    library and NumPy only, so it imports here; the package's ``__init__`` (OpenCV, TensorFlow) is
+    not run, as paco_side.py does for the trainer's module."""
+    from consumers.paco import paco_source
+
+    package = types.ModuleType("Paco_classifier")
+    package.__path__ = [str(paco_source() / "Paco_classifier")]
+    sys.modules.setdefault("Paco_classifier", package)
+    return importlib.import_module("Paco_classifier.data_loader")
+
+
+def paco(pages: list[list[Any]], patch: int, samples: int, seed: int, batch: int = 16) -> list[float]:
+    """Mean layer share of the targets Paco's own ``extractRandomSamplesClass`` cuts (one batch
+    per call, as its generator calls it), per layer, the samples shared by the pages alike."""
     import numpy as np
 
-    rng = np.random.default_rng(seed)
+    data_loader = paco_data_loader()
+    np.random.seed(seed)  # Paco draws from NumPy's global generator
     shares = []
     for layer in range(len(LAYER_NAMES)):
-        values = []
+        values: list[float] = []
         for masks in pages:
-            gt = masks[layer][:TRAIN_ROWS]  # Paco crops the page to the region's bounding box
-            rows, cols = np.where(gt[:-patch, :-patch])
-            for pick in rng.integers(0, len(rows), size=samples // len(pages)) if len(rows) else []:
-                row, col = rows[pick], cols[pick]
-                values.append(float(gt[row : row + patch, col : col + patch].mean()))
+            gt = masks[layer][:TRAIN_ROWS].astype(np.float64)  # Paco crops the page to the region's bounding box
+            gr = np.zeros((*gt.shape, 3), dtype=np.uint8)  # the image: only the targets are measured
+            for start in range(0, samples // len(pages), batch):
+                n = min(batch, samples // len(pages) - start)
+                gr_chunks, gt_chunks = np.zeros((n, patch, patch, 3)), np.zeros((n, patch, patch))
+                data_loader.extractRandomSamplesClass(gr, gt, patch, patch, n, gr_chunks, gt_chunks)
+                values += gt_chunks.reshape(n, -1).mean(axis=1).tolist()
         shares.append(float(np.mean(values)) if values else float("nan"))
     return shares
 
