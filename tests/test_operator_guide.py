@@ -130,5 +130,6 @@ def test_following_the_operator_guide_gives_a_working_cron_deployment(
     finally:
         # First, so that a timeout in the clean-up cannot leave it: it holds the passwords, like a credentials.env.
         (tmp_path / "settings.json").unlink()
-        _follow("--cleanup", timeout=120)
+        _follow("--cleanup", timeout=300)
     assert subprocess.run(["id", USER], capture_output=True).returncode != 0
+    assert not Path(f"/home/{USER}").exists()  # renamed aside at once, deleted in the background
