@@ -44,7 +44,6 @@ event files, the log, ``gpu.csv``) after every epoch. The folders in
 from __future__ import annotations
 
 import csv
-import importlib.util
 import io
 import json
 import logging
@@ -132,7 +131,6 @@ class RunDirectory:
         self.dir_mode, self.file_mode = GROUP_MODES if shared else PRIVATE_MODES
         self._records: dict[str, list[dict[str, Any]]] = {}
         self._tensorboard_names: dict[str, str] = {}
-        self._warned_tensorboard = False
 
     @classmethod
     def create(cls, root: Path, name: str, *, now: datetime | None = None, shared: bool = False) -> RunDirectory:
@@ -214,25 +212,19 @@ class RunDirectory:
         return directory
 
     def tensorboard_callback(self, label: str) -> Any:
-        """A Keras TensorBoard callback writing epoch scalars for ``label`` (no graph, no histograms).
+        """A Keras callback writing epoch scalars for ``label`` as Keras' TensorBoard callback does
+        (no graph, no histograms), on any backend: :class:`~worker.trainer.tensorboard_events.EpochTensorBoard`.
 
         Its event files go to ``tensorboard_dir(label)/train`` and ``.../validation``, with the
-        tags ``epoch_loss`` and ``epoch_accuracy`` (and the learning rate) at steps 0, 1, ...
+        tags ``epoch_loss`` and ``epoch_accuracy`` (and the learning rate) at steps 0, 1, ...;
+        no TensorFlow or ``tensorboard`` package is needed to write them.
         """
-        from worker.trainer._tf import keras
+        from worker.trainer.tensorboard_events import EpochTensorBoard
 
-        return keras.callbacks.TensorBoard(
-            log_dir=str(self.tensorboard_dir(label)), histogram_freq=0, write_graph=False, update_freq="epoch"
-        )
+        return EpochTensorBoard(self.tensorboard_dir(label))
 
     def keras_callbacks(self, label: str) -> list[Any]:
-        """The callbacks for ``label``'s fit: its TensorBoard callback, or none (with a warning)
-        where the ``tensorboard`` package, which writes the summaries, is not installed."""
-        if importlib.util.find_spec("tensorboard") is None:
-            if not self._warned_tensorboard:
-                log.warning("the tensorboard package is not installed: no TensorBoard summaries in %s", self.path)
-                self._warned_tensorboard = True
-            return []
+        """The callbacks for ``label``'s fit: its TensorBoard callback."""
         return [self.tensorboard_callback(label)]
 
     # ----------------------------------------------------------------------------- writing
