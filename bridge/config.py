@@ -48,7 +48,7 @@ from bridge.schedulers.base import CONTINUE_BY
 DEFAULT_CREDENTIALS = Path("credentials.env")
 T = TypeVar("T")
 #: HPC_MIXED_PRECISION's values: the trainer's TrainSettings.mixed_precision (worker/trainer/settings.py).
-MIXED_PRECISION_CHOICES = ("off", "float16", "bfloat16")
+MIXED_PRECISION_CHOICES = ("off", "auto", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)

@@ -66,8 +66,8 @@ def test_missing_settings_are_named(missing: str) -> None:
         ("HPC_TRAINING_SEED", "-1"),
         ("HPC_WARN_SECONDS", "soon"),
         ("RABBITMQ_PORT", "amqp"),
-        ("HPC_MIXED_PRECISION", "auto"),
         ("HPC_MIXED_PRECISION", "on"),
+        ("HPC_MIXED_PRECISION", "mixed_bfloat16"),
     ],
 )
 def test_malformed_settings_are_named(name: str, value: str) -> None:
@@ -77,7 +77,7 @@ def test_malformed_settings_are_named(name: str, value: str) -> None:
 
 def test_mixed_precision_is_float32_unless_an_operator_opts_in() -> None:
     assert load_config(environ=BASE).mixed_precision == "off"
-    for value in ("off", "float16", "bfloat16", "BFloat16"):
+    for value in ("off", "auto", "float16", "bfloat16", "BFloat16"):
         assert load_config(environ={**BASE, "HPC_MIXED_PRECISION": value}).mixed_precision == value.lower()
 
 

@@ -360,9 +360,14 @@ def test_training_longer_than_one_job_continues_and_equals_an_uninterrupted_run(
     With the same seed both must train the same number of epochs on the same samples, and so
     end with the same models; each gets exactly one reply. On Slurm both ways to continue run:
     requeue (the same job id again) and, as at a site that forbids requeue, a successor held on
-    the job (HPC_SLURM_CONTINUE=successor; there every ``scontrol requeue`` is refused).
+    the job (HPC_SLURM_CONTINUE=successor; there every ``scontrol requeue`` is refused). On Grid
+    Engine the jobs train on Keras' JAX backend (KERAS_BACKEND=jax in the job prologue, as a site
+    would set it), so a JAX run is continued, checkpoints and all, across jobs too.
     """
     cluster = harness.cluster
+    backend = "jax" if cluster.name == "gridengine" else "tensorflow"
+    prologue = f"export KERAS_BACKEND={backend}"
+    harness.env["HPC_JOB_PROLOGUE"] = prologue
     harness.env["HPC_SLURM_CONTINUE"] = slurm_continue
     # Every scontrol of the bridge and of its jobs (they inherit PATH) goes through a wrapper
     # that records it, and refuses a requeue where the site does not allow one.
@@ -394,7 +399,7 @@ def test_training_longer_than_one_job_continues_and_equals_an_uninterrupted_run(
     reference = rodan.publish_request(page, {**work, "Maximum time (D-HH:MM)": "0-01:00"})
     harness.check()  # the reference's job is submitted without the cut: the prologue below is for later jobs
     assert harness.ledger(reference)["state"] == "submitted"
-    harness.env["HPC_JOB_PROLOGUE"] = "export HPC_TEST_WARN_AFTER_POLLS=5"
+    harness.env["HPC_JOB_PROLOGUE"] = f"{prologue}; export HPC_TEST_WARN_AFTER_POLLS=5"
     continued = rodan.publish_request(page, work)
     # Between cron passes, ``status`` as an operator runs it, once the ledger has counted a
     # continuation and until status has shown it (the state stays "continued" until the reply).
@@ -436,6 +441,9 @@ def test_training_longer_than_one_job_continues_and_equals_an_uninterrupted_run(
         wait_until(lambda: cluster.jobs_started(record["job_name"]) == record["job_ids"], 30, what="accounting")
         assert sorted(scripts) == sorted(["job.sh", *(f"job-after-{j}.sh" for j in record["job_ids"][:-1])])
         assert not any("--requeue" in text for text in scripts.values()) and requeued == []
+    for corr in runs:  # each job of both requests trained on the backend its prologue chose
+        trained_on = [line for line in (runs[corr] / "job.log").read_text().splitlines() if "training with the" in line]
+        assert trained_on and all(f"{backend} backend" in line for line in trained_on), trained_on
     events = [json.loads(line)["event"] for line in (runs[continued] / "job.log").read_text().splitlines()]
     assert events.count("training_stopped") == record["continuations"] == events.count("job_resume")
     assert events.count("job_continuing") == record["continuations"]

@@ -18,6 +18,7 @@ import keras
 from PIL import Image
 
 from tests.pages import striped_page
+from tests.support.training import batch_count, fit_batches
 from worker.trainer import Page, TrainingInputError, TrainSettings, load_page, train_page
 from worker.trainer.callbacks import EPOCH_KEYS
 from worker.trainer.dataset import INPUT_LOOKUP, PatchDataset, split_validation, training_input
@@ -229,8 +230,9 @@ def test_batches_are_built_from_uint8_page() -> None:
 
 
 def test_training_input_gives_the_numpy_batches_bit_for_bit() -> None:
-    """What fit reads (tf.data, converted in TensorFlow ops) equals the NumPy batches, every
-    one of the 256 pixel values included, and follows the order drawn before each iteration."""
+    """What fit reads (tf.data converted in TensorFlow ops, or on JAX converted on the device) equals
+    the NumPy batches, every one of the 256 pixel values included, and follows the order drawn
+    before each iteration."""
     page = striped_page(120, 130)
     page.image[:16, :16] = np.arange(256, dtype=np.uint8).reshape(16, 16)[..., None]  # every value
     mask = page.masks["Layer 0"]
@@ -242,10 +244,10 @@ def test_training_input_gives_the_numpy_batches_bit_for_bit() -> None:
             multiple_of=multiple_of, weigh_for=weigh_for,  # type: ignore[arg-type]
         )  # fmt: skip
         pipeline = training_input(data)
-        assert int(pipeline.cardinality()) == len(data) == 4
+        assert batch_count(pipeline) == len(data) == 4
         for _ in range(2):  # a new order each time, read when the iteration starts
             data.shuffle()
-            got = [tuple(t.numpy() for t in batch) for batch in pipeline]
+            got = fit_batches(pipeline)
             want = [data[i] for i in range(len(data))]
             assert len(got) == len(want)
             for got_batch, want_batch in zip(got, want, strict=True):
@@ -253,8 +255,8 @@ def test_training_input_gives_the_numpy_batches_bit_for_bit() -> None:
                 for g, w in zip(got_batch, want_batch, strict=True):
                     assert g.dtype == w.dtype and g.shape == w.shape
                     np.testing.assert_array_equal(g, w)
-    x_all = next(iter(training_input(PatchDataset(page.image, mask, many[:1], PATCH, PATCH, 1))))[0].numpy()
-    assert set(np.unique(x_all)) == set(INPUT_LOOKUP)  # all 256 values went through TensorFlow's conversion
+    x_all = fit_batches(training_input(PatchDataset(page.image, mask, many[:1], PATCH, PATCH, 1)))[0][0]
+    assert set(np.unique(x_all)) == set(INPUT_LOOKUP)  # all 256 values went through the backend's conversion
 
 
 def test_training_input_of_large_patches_gives_the_numpy_batches() -> None:
@@ -267,7 +269,7 @@ def test_training_input_of_large_patches_gives_the_numpy_batches() -> None:
         data = PatchDataset(image, mask, centres, 128, 128, 48, shuffle_rng=np.random.default_rng(1),
                             multiple_of=multiple_of)  # fmt: skip
         data.shuffle()
-        got = [tuple(t.numpy() for t in batch) for batch in training_input(data)]
+        got = fit_batches(training_input(data))
         assert [len(g[0]) for g in got] == [48, 48, 16 if multiple_of == 16 else 4]
         for got_batch, want_batch in zip(got, (data[i] for i in range(len(data))), strict=True):
             for g, w in zip(got_batch, want_batch, strict=True):

@@ -86,17 +86,29 @@ def test_settings_accept_strategies_and_precisions() -> None:
     hash(devices)  # still a frozen, hashable dataclass
     for value in ("auto", "mirrored", "default"):
         assert TrainSettings(**REQUEST, strategy=value).strategy == value
-    for value in ("off", "float16", "bfloat16"):
+    for value in ("off", "auto", "float16", "bfloat16"):
         assert TrainSettings(**REQUEST, mixed_precision=value).mixed_precision == value
     with pytest.raises(TrainingInputError, match="strategy"):
         TrainSettings(**REQUEST, strategy="horovod")
     with pytest.raises(TrainingInputError, match="devices"):
         TrainSettings(**REQUEST, strategy=())
-    for value in ("auto", "on", "mixed_float16"):  # float32 is the default; an opt-in names its type
+    for value in ("on", "mixed_float16"):  # float32 is the default; an opt-in names its type, or "auto"
         with pytest.raises(TrainingInputError, match="mixed_precision"):
             TrainSettings(**REQUEST, mixed_precision=value)
     # The bridge's HPC_MIXED_PRECISION passes exactly these values on.
     assert BRIDGE_PRECISIONS == MIXED_PRECISION_CHOICES
+
+
+def test_auto_precision_is_bfloat16_only_where_every_gpu_computes_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.trainer import distribute
+
+    assert distribute.gpu_capabilities() == [] and distribute.resolve_precision("auto") == "off"  # no GPU here
+    assert precision_policy("auto") == "float32"
+    cases = [([(8, 0)], "bfloat16"), ([(9, 0), (8, 6)], "bfloat16"), ([(8, 0), (7, 5)], "off"), ([(7, 0)], "off")]
+    for capabilities, expected in cases:
+        monkeypatch.setattr(distribute, "gpu_capabilities", lambda found=capabilities: found)
+        assert distribute.resolve_precision("auto") == expected, capabilities
+        assert distribute.resolve_precision("float16") == "float16"  # an explicit choice stays
 
 
 def test_strategy_and_precision_choice() -> None:

@@ -109,7 +109,7 @@ def run_job(params_path: Path) -> int:
     try:
         onednn.choose(onednn.tuning_dir())  # before TensorFlow is imported
         # Imports TensorFlow: an environment that cannot train still gets its error reply.
-        from worker.trainer._tf import keras  # noqa: F401
+        from worker.trainer._keras import keras  # noqa: F401
         from worker.trainer.rundir import RunDirectory, let_group_in
 
         memory.release_library_pages()  # what the import touched once (worker/memory.py)

@@ -54,17 +54,33 @@ TOKEN_NAME = "from-login"
 HELD_LOCK_NAME = "held.lock"
 #: When the result file cannot be written, the result goes to the job's output after this marker.
 RESULT_MARKER = "HPC-PROBE-RESULT "
-#: What the TensorFlow check prints before its JSON line.
-TF_MARKER = "HPC-PROBE-TF "
-TF_CODE = (
-    "import json, os\n"
+#: What the backend check prints before its JSON line.
+BACKEND_MARKER = "HPC-PROBE-BACKEND "
+#: Run by the worker's Python on the node: the Keras backend it chose (worker.trainer.backend),
+#: its version, and the devices and GPUs it sees.
+BACKEND_CODE = (
+    "import importlib.util, json, os\n"
     "os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')\n"
-    "import worker.trainer\n"
-    "import tensorflow as tf\n"
-    "gpus = tf.config.list_physical_devices('GPU')\n"
-    f"print({TF_MARKER!r} + json.dumps({{'tensorflow': tf.__version__, 'gpus': len(gpus), "
-    "'cuda': bool(tf.test.is_built_with_cuda())}))\n"
+    "from worker.trainer._keras import BACKEND\n"
+    "if BACKEND == 'jax':\n"
+    "    import jax\n"
+    "    devices = jax.devices()\n"
+    "    found = {'version': jax.__version__, 'gpus': sum(d.platform == 'gpu' for d in devices),\n"
+    "             'cuda': any(importlib.util.find_spec(m) for m in ('jax_cuda12_plugin', 'jax_cuda13_plugin')),\n"
+    "             'devices': [str(d) for d in devices]}\n"
+    "else:\n"
+    "    import tensorflow as tf\n"
+    "    devices = tf.config.list_physical_devices()\n"
+    "    found = {'version': tf.__version__, 'gpus': sum(d.device_type == 'GPU' for d in devices),\n"
+    "             'cuda': bool(tf.test.is_built_with_cuda()), 'devices': [d.name for d in devices]}\n"
+    f"print({BACKEND_MARKER!r} + json.dumps({{'backend': BACKEND, **found}}))\n"
 )
+#: What each backend is called in findings, and what to install for its GPUs.
+BACKEND_NAMES = {"tensorflow": "TensorFlow", "jax": "JAX"}
+GPU_BUILDS = {
+    "tensorflow": "a TensorFlow built for the nodes' CUDA driver (pip install 'hpc-bridge[worker-gpu]')",
+    "jax": "JAX with its CUDA wheels (pip install 'hpc-bridge[worker-jax]')",
+}
 #: How much the scratch check writes (and removes).
 SCRATCH_WRITE_BYTES = 1 << 20
 
@@ -203,24 +219,27 @@ def check_lock(params: Mapping[str, Any], result: dict[str, Any]) -> Finding:
 # --- worker environment and GPUs ---------------------------------------------------------------
 
 
-def judge_gpus(asked: int, seen: int, *, gres: str = "", cuda: bool = True, visible: str = "") -> Finding:
-    """Whether TensorFlow sees the GPUs the job was given (``asked``: the count in its GPU request)."""
+def judge_gpus(
+    asked: int, seen: int, *, gres: str = "", cuda: bool = True, visible: str = "", backend: str = "tensorflow"
+) -> Finding:
+    """Whether the worker's backend sees the GPUs the job was given (``asked``: the count in its GPU request)."""
     request = f" ({gres})" if gres else ""
     shown = f" (CUDA_VISIBLE_DEVICES={visible})" if visible else ""
+    name = BACKEND_NAMES.get(backend, backend)
     if seen < asked:
-        build = "" if cuda else " (this TensorFlow is built without CUDA)"
+        build = "" if cuda else f" (this {name} is built without CUDA)"
         return fail(
-            f"the job asked for {asked} GPU(s){request} and was given them{shown}, but TensorFlow sees {seen}{build}",
-            "give the worker environment a TensorFlow built for the nodes' CUDA driver (pip install "
-            "'tensorflow[and-cuda]'), or load the CUDA modules in HPC_JOB_PROLOGUE; compare with nvidia-smi in a job",
+            f"the job asked for {asked} GPU(s){request} and was given them{shown}, but {name} sees {seen}{build}",
+            f"give the worker environment {GPU_BUILDS.get(backend, 'a GPU build of its backend')}, or load the CUDA "
+            "modules in HPC_JOB_PROLOGUE; compare with nvidia-smi in a job",
         )
     if seen > asked:
         return warn(
-            f"TensorFlow sees {seen} GPU(s) but the job asked for {asked}{request}: jobs are not confined to "
+            f"{name} sees {seen} GPU(s) but the job asked for {asked}{request}: jobs are not confined to "
             "the GPUs they were given, so a training may use another job's GPU",
             "ask the administrators to confine jobs to their GPUs (Slurm: ConstrainDevices=yes in cgroup.conf)",
         )
-    return ok(f"{seen} of the {asked} GPU(s) asked{request} visible to TensorFlow{shown}")
+    return ok(f"{seen} of the {asked} GPU(s) asked{request} visible to {name}{shown}")
 
 
 def check_worker(params: Mapping[str, Any], result: dict[str, Any]) -> Finding:
@@ -231,28 +250,34 @@ def check_worker(params: Mapping[str, Any], result: dict[str, Any]) -> Finding:
     )
     timeout = float(params.get("tf_timeout_s", 240.0))
     try:
-        answer = run_command([python, "-c", TF_CODE], timeout=timeout, env=dict(os.environ))
+        answer = run_command([python, "-c", BACKEND_CODE], timeout=timeout, env=dict(os.environ))
     except CommandTimeout:
-        return fail(f"{python} took over {timeout:g} s to import worker.trainer and TensorFlow on the node", fix)
+        return fail(f"{python} took over {timeout:g} s to import worker.trainer and its Keras backend on the node", fix)
     except CommandNotFound:
         return fail(f"{python} cannot be started again on the node", fix)
     except CommandError as exc:
         lines = [line for line in exc.output.splitlines() if line.strip()]
         last = lines[-1].strip() if lines else exc.reason
-        return fail(f"{python} cannot import worker.trainer and TensorFlow on the node: {last[:300]}", fix)
-    lines = [line for line in answer.stdout.splitlines() if line.startswith(TF_MARKER)]
+        return fail(f"{python} cannot import worker.trainer and its Keras backend on the node: {last[:300]}", fix)
+    lines = [line for line in answer.stdout.splitlines() if line.startswith(BACKEND_MARKER)]
     if not lines:
-        return fail(f"{python} printed no TensorFlow version on the node: {answer.stdout.strip()[:200]!r}", fix)
-    found = json.loads(lines[-1][len(TF_MARKER) :])
-    result["tensorflow"] = found
+        return fail(f"{python} printed no Keras backend on the node: {answer.stdout.strip()[:200]!r}", fix)
+    found = json.loads(lines[-1][len(BACKEND_MARKER) :])
+    result["backend"] = found
     gpus = judge_gpus(
         int(params.get("gpus_asked", 0)),
         int(found["gpus"]),
         gres=str(params.get("gres") or ""),
         cuda=bool(found.get("cuda", True)),
         visible=os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+        backend=found["backend"],
     )
-    gpus["found"] = f"{python}: worker.trainer and TensorFlow {found['tensorflow']} import; {gpus['found']}"
+    name = BACKEND_NAMES.get(found["backend"], found["backend"])
+    devices = ", ".join(found.get("devices", [])) or "none"
+    gpus["found"] = (
+        f"{python}: worker.trainer imports on Keras' {name} backend ({name} {found['version']}; devices: {devices}); "
+        f"{gpus['found']}"
+    )
     return gpus
 
 

@@ -29,7 +29,7 @@ want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     say "installing the project into .venv (TensorFlow CPU included; about a minute the first time)"
     .venv/bin/python -m pip install --quiet --upgrade pip
-    .venv/bin/python -m pip install --quiet -e '.[worker,dev]'
+    .venv/bin/python -m pip install --quiet -e '.[worker,jax-cpu,dev]'
     echo "$want" > "$stamp"
 else
     say ".venv is up to date"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -30,3 +31,16 @@ class RecordingStore(CheckpointStore):
             if layer.sample_offset == 0:
                 self.final_weights[layer.label] = layer.weights
         return super().save(state)
+
+
+def fit_batches(pipeline: Any) -> list[tuple[np.ndarray[Any, Any], ...]]:
+    """The batches ``fit`` reads from ``training_input(...)`` (one pass), as NumPy arrays, on either
+    backend: a ``tf.data.Dataset`` on TensorFlow, a Keras ``PyDataset`` of device arrays on JAX."""
+    if hasattr(pipeline, "cardinality"):
+        return [tuple(t.numpy() for t in batch) for batch in pipeline]
+    return [tuple(np.asarray(t) for t in pipeline[i]) for i in range(pipeline.num_batches)]
+
+
+def batch_count(pipeline: Any) -> int:
+    """How many batches one pass over ``training_input(...)`` gives, as the backend's own object says."""
+    return int(pipeline.cardinality()) if hasattr(pipeline, "cardinality") else int(pipeline.num_batches)

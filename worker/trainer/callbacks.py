@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from worker.trainer._tf import keras
+from worker.trainer._keras import keras
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,9 @@ are prefetched while the model steps. ``tf.data``'s autotuning is off: with it, 
 epoch's iterator waited for its autotune thread, stalling every epoch on a 2-core node, and a
 fixed depth needs no tuning when a step takes milliseconds on a GPU and seconds on a CPU.
 ``bench_input.py`` measures what it delivers with the model replaced by nothing; the figures are
-in ``benchmarks/README.md`` ("Input pipeline", "Trainer").
+in ``benchmarks/README.md`` ("Input pipeline", "Trainer"). On Keras' JAX backend there is no
+``tf.data``: each uint8 batch goes to the device and is converted there
+(:mod:`worker.trainer.jax_input`).
 """
 
 from __future__ import annotations
@@ -279,10 +281,14 @@ class PatchDataset:
         if len(order) > full * size:
             yield tuple(part[np.newaxis] for part in self.raw_batch(order[full * size :]))
 
-    def __getitem__(self, index: int) -> Batch:
+    def raw_item(self, index: int) -> RawBatch:
+        """Batch ``index`` of the current order as cut from the page (see :meth:`raw_batch`)."""
         if not 0 <= index < len(self):
             raise IndexError(index)
-        return self.batch(self._order[index * self._batch_size : (index + 1) * self._batch_size])
+        return self.raw_batch(self._order[index * self._batch_size : (index + 1) * self._batch_size])
+
+    def __getitem__(self, index: int) -> Batch:
+        return to_network_batch(self.raw_item(index))
 
     def __repr__(self) -> str:
         return f"PatchDataset(samples={self.samples}, batch_size={self._batch_size}, shuffle={self._rng is not None})"
@@ -318,11 +324,14 @@ class RemainingBatches:
     def weighted(self) -> bool:
         return self._dataset.weighted
 
-    def __getitem__(self, index: int) -> Batch:
+    def raw_item(self, index: int) -> RawBatch:
         if not 0 <= index < len(self):
             raise IndexError(index)
         size = self._dataset.batch_size
-        return self._dataset.batch(self._order[index * size : (index + 1) * size])
+        return self._dataset.raw_batch(self._order[index * size : (index + 1) * size])
+
+    def __getitem__(self, index: int) -> Batch:
+        return to_network_batch(self.raw_item(index))
 
     def raw_blocks(self, per_block: int) -> Iterator[RawBatch]:
         return self._dataset.raw_blocks(per_block, self._order)
@@ -342,12 +351,28 @@ def _network_batch_tf(patches: Any, masks: Any, *weights: Any) -> tuple[Any, ...
 def training_input(
     source: PatchDataset | RemainingBatches, parallel: int = PARALLEL_BLOCKS, prefetch: int = PREFETCH_BATCHES
 ) -> Any:
-    """The ``tf.data.Dataset`` of ``source``'s batches that ``fit`` reads (see the module docstring).
+    """What ``fit`` reads for ``source``'s batches, on the backend Keras runs on.
 
-    Every iterator over it (Keras makes one per epoch, after the callbacks' ``on_epoch_begin``,
+    Every pass over it (Keras makes one per epoch, after the callbacks' ``on_epoch_begin``,
     so after :class:`~worker.trainer.callbacks.EpochShuffle` drew the epoch's order) yields
     the batches of ``source`` in its order at that moment, exactly those of ``source[i]``.
+    On TensorFlow it is a ``tf.data.Dataset`` (:func:`tf_training_input`), on JAX a Keras
+    ``PyDataset`` whose uint8 batches are converted on the device
+    (:class:`worker.trainer.jax_input.DeviceBatches`).
     """
+    from worker.trainer._keras import BACKEND
+
+    if BACKEND == "jax":
+        from worker.trainer.jax_input import DeviceBatches
+
+        return DeviceBatches(source)
+    return tf_training_input(source, parallel, prefetch)
+
+
+def tf_training_input(
+    source: PatchDataset | RemainingBatches, parallel: int = PARALLEL_BLOCKS, prefetch: int = PREFETCH_BATCHES
+) -> Any:
+    """The ``tf.data.Dataset`` of ``source``'s batches (see the module docstring)."""
     import tensorflow as tf
 
     height, width = source.patch_shape

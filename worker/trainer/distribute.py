@@ -1,4 +1,8 @@
-"""Where and how a layer trains: the ``tf.distribute`` strategy and the precision policy.
+"""Where and how a layer trains: the strategy (the devices of one step) and the precision policy.
+
+On JAX (see :mod:`worker.trainer.backend` and ``docs/design-jax.md``) the strategy is a
+:class:`JaxReplicas` (``keras.distribution.DataParallel`` over several devices), with the same
+choices, batch sharing and padding as below; ``plan.training()`` is the context ``fit`` runs in.
 
 The historic job could ask Slurm for 4 GPUs but trained on one. Here every visible GPU
 trains: with more than one, :func:`plan_training` picks ``tf.distribute.MirroredStrategy``
@@ -29,7 +33,9 @@ averages of the training loss and accuracy and of ``val_loss`` count the copies 
 **Precision: float32 unless asked.** The original trainer trained in float32, and the
 models Rodan gets must be trained as it trained them on every hardware. ``mixed_precision`` is
 therefore ``"off"`` by default, on GPUs too. Mixed precision is an opt-in
-(``HPC_MIXED_PRECISION`` on the bridge): ``"float16"`` builds the model under Keras'
+(``HPC_MIXED_PRECISION`` on the bridge): ``"auto"`` is bfloat16 on GPUs of compute capability 8.0
+and up and float32 elsewhere (:func:`resolve_precision`, when the run starts; a resumed run keeps
+the precision its checkpoint records), ``"float16"`` builds the model under Keras'
 ``mixed_float16`` policy (float16 computation, float32 variables, a float32 sigmoid layer
 so the probabilities and the loss stay float32, and a ``LossScaleOptimizer`` around
 Adam), ``"bfloat16"`` under ``mixed_bfloat16`` (no loss scaling). What each policy does to
@@ -46,11 +52,11 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
-from worker.trainer._tf import keras
+from worker.trainer._keras import BACKEND, keras
 from worker.trainer.errors import TrainingInputError
 from worker.trainer.model import build_sae, compile_sae
 from worker.trainer.settings import MIXED_PRECISION_CHOICES, STRATEGY_CHOICES, TrainSettings
@@ -67,6 +73,7 @@ __all__ = [
     "MIXED_POLICY",
     "MIXED_PRECISION_CHOICES",
     "STRATEGY_CHOICES",
+    "JaxReplicas",
     "TrainingPlan",
     "dtype_policy",
     "gpu_devices",
@@ -74,20 +81,55 @@ __all__ = [
     "plan_training",
     "precision_policy",
     "replica_devices",
+    "resolve_precision",
     "strategy_name",
     "trained_optimizer_variables",
 ]
 
 
 def _tf() -> Any:
-    import tensorflow as tf  # the only backend the trainer runs on (see worker.trainer._tf)
+    import tensorflow as tf  # only on the TensorFlow backend (see worker.trainer.backend)
 
     return tf
 
 
 def gpu_devices() -> list[str]:
-    """The names of the GPUs TensorFlow sees (logical devices, e.g. ``/device:GPU:0``)."""
+    """The names of the GPUs the backend sees: TensorFlow's logical devices (``/device:GPU:0``)
+    or, on JAX, Keras' device names (``gpu:0``)."""
+    if BACKEND == "jax":
+        try:
+            return [str(d) for d in keras.distribution.list_devices("gpu")]
+        except RuntimeError:  # JAX has no GPU platform here
+            return []
     return [device.name for device in _tf().config.list_logical_devices("GPU")]
+
+
+def jax_device_name(name: str) -> str:
+    """A device name as Keras' JAX distribution takes it: ``/device:CPU:1`` or ``/cpu:1`` -> ``cpu:1``."""
+    kind, _, index = name.rsplit("/", 1)[-1].removeprefix("device:").partition(":")
+    return f"{kind.lower()}:{index or 0}"
+
+
+class JaxReplicas:
+    """On JAX, what a ``tf.distribute`` strategy is on TensorFlow: the devices one step runs on.
+
+    With several devices, a ``keras.distribution.DataParallel`` over them: the variables are
+    replicated, every batch is split along its first axis, and the step is one SPMD program
+    whose gradient is that of the whole batch's mean, as with a MirroredStrategy.
+    :meth:`scope` makes it Keras' distribution while a model is built and while it trains.
+    With one device (or none named: JAX's default device), no distribution.
+    """
+
+    def __init__(self, devices: Sequence[str]) -> None:
+        self.devices = [jax_device_name(d) for d in devices]
+        self.distribution = keras.distribution.DataParallel(devices=self.devices) if len(self.devices) > 1 else None
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return max(1, len(self.devices))
+
+    def scope(self) -> AbstractContextManager[Any]:
+        return self.distribution.scope() if self.distribution is not None else nullcontext()
 
 
 def replica_devices(gpus: Sequence[str], batch_size: int) -> list[str]:
@@ -105,26 +147,28 @@ def make_strategy(spec: str | Sequence[str], gpus: Sequence[str], batch_size: in
     replica on the CPU); ``"default"`` the default strategy; a sequence of device names
     ``MirroredStrategy(devices=list(spec))``, which must divide the batch.
     """
-    tf = _tf()
     if not isinstance(spec, str):
         if batch_size % len(spec):
             raise TrainingInputError(
                 f"a batch of {batch_size} patches cannot be shared evenly by the {len(spec)} devices {list(spec)}"
             )
-        return tf.distribute.MirroredStrategy(devices=list(spec))
+        return JaxReplicas(spec) if BACKEND == "jax" else _tf().distribute.MirroredStrategy(devices=list(spec))
+    if spec not in STRATEGY_CHOICES:
+        raise ValueError(f"unknown strategy {spec!r}; expected one of {STRATEGY_CHOICES} or a list of devices")
     if spec == "default":
-        return tf.distribute.get_strategy()
+        return JaxReplicas([]) if BACKEND == "jax" else _tf().distribute.get_strategy()
     devices = replica_devices(gpus, batch_size)
     if len(devices) < len(gpus):
         log.warning(
             "a batch of %d patches is shared evenly by %d of the %d GPUs: training on %s",
             batch_size, len(devices), len(gpus), ", ".join(devices),
         )  # fmt: skip
+    if BACKEND == "jax":  # "mirrored" without GPUs: JAX's default device
+        return JaxReplicas(devices)
+    tf = _tf()
     if spec == "auto":
         return tf.distribute.MirroredStrategy(devices=devices) if len(devices) > 1 else tf.distribute.get_strategy()
-    if spec == "mirrored":
-        return tf.distribute.MirroredStrategy(devices=devices or None)
-    raise ValueError(f"unknown strategy {spec!r}; expected one of {STRATEGY_CHOICES} or a list of devices")
+    return tf.distribute.MirroredStrategy(devices=devices or None)
 
 
 @functools.cache
@@ -135,14 +179,52 @@ def _strategy(spec: str | tuple[str, ...], batch_size: int) -> Any:
 
 
 def strategy_name(strategy: Any) -> str:
-    """``"MirroredStrategy"``, or ``"default"`` for TensorFlow's default strategy."""
+    """``"MirroredStrategy"`` or ``"DataParallel"`` (JAX), or ``"default"`` for one device."""
+    if isinstance(strategy, JaxReplicas):
+        return "default" if strategy.distribution is None else "DataParallel"
     name = type(strategy).__name__
     return "default" if name.startswith("_Default") else name
+
+
+#: GPUs from this compute capability on (NVIDIA Ampere and later) compute in bfloat16 natively.
+BFLOAT16_CAPABILITY = (8, 0)
+
+
+def gpu_capabilities() -> list[tuple[int, int]]:
+    """The compute capability of every GPU the backend sees, e.g. ``[(9, 0)]`` (none: ``[]``)."""
+    found: list[tuple[int, int]] = []
+    if BACKEND == "jax":
+        import jax
+
+        try:
+            gpus = jax.devices("gpu")
+        except RuntimeError:
+            return []
+        for device in gpus:
+            major, _, minor = str(getattr(device, "compute_capability", "0.0")).partition(".")
+            found.append((int(major), int(minor or 0)))
+        return found
+    tf = _tf()
+    for device in tf.config.list_physical_devices("GPU"):
+        capability = tf.config.experimental.get_device_details(device).get("compute_capability")
+        found.append(tuple(capability) if capability else (0, 0))
+    return found
+
+
+def resolve_precision(setting: str) -> str:
+    """``TrainSettings.mixed_precision`` as a run starts with it: ``"auto"`` becomes ``"bfloat16"``
+    where every GPU the backend sees has :data:`BFLOAT16_CAPABILITY` or more, else ``"off"``
+    (float32; CPUs, older GPUs). Other values stay as they are."""
+    if setting != "auto":
+        return setting
+    capabilities = gpu_capabilities()
+    return "bfloat16" if capabilities and min(capabilities) >= BFLOAT16_CAPABILITY else "off"
 
 
 def precision_policy(setting: str) -> str:
     """The Keras dtype policy for ``TrainSettings.mixed_precision``: ``"off"`` is float32."""
     policies = {"off": "float32", "float16": MIXED_POLICY, "bfloat16": BFLOAT16_POLICY}
+    setting = resolve_precision(setting)
     if setting in policies:
         return policies[setting]
     raise ValueError(f"unknown mixed_precision {setting!r}; expected one of {MIXED_PRECISION_CHOICES}")
@@ -185,13 +267,21 @@ class TrainingPlan:
     def mixed_precision(self) -> bool:
         return self.policy != "float32"
 
+    def training(self) -> AbstractContextManager[Any]:
+        """The context ``fit`` runs in: on JAX the distribution's scope (Keras reads it while it
+        trains); on TensorFlow nothing (a model keeps the strategy it was built under)."""
+        return self.strategy.scope() if isinstance(self.strategy, JaxReplicas) else nullcontext()
+
     def describe(self) -> str:
-        try:
-            devices = ", ".join(self.strategy.extended.worker_devices)
-        except RuntimeError:  # the default strategy has no device list: TensorFlow places ops
-            devices = "/GPU:0" if self.gpus else "/CPU:0"
+        if isinstance(self.strategy, JaxReplicas):
+            devices = ", ".join(self.strategy.devices) or ("gpu:0" if self.gpus else "cpu:0")
+        else:
+            try:
+                devices = ", ".join(self.strategy.extended.worker_devices)
+            except RuntimeError:  # the default strategy has no device list: TensorFlow places ops
+                devices = "/GPU:0" if self.gpus else "/CPU:0"
         return (
-            f"{strategy_name(self.strategy)} strategy, {self.replicas} replica(s) on {devices}; "
+            f"{BACKEND} backend, {strategy_name(self.strategy)} strategy, {self.replicas} replica(s) on {devices}; "
             f"{self.gpus} GPU(s) visible; global batch {self.global_batch_size} "
             f"({self.per_replica_batch_size} per replica); dtype policy {self.policy}"
         )

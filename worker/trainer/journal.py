@@ -90,6 +90,8 @@ class Journal:
 
     def __init__(self, seed: int | None, centres: dict[str, Centres]) -> None:
         self.seed = seed
+        #: ``{"backend": ..., "mixed_precision": ...}``: what the run trains on (a resumed run: what it started on).
+        self.trained_on: dict[str, str] = {}
         self.centres = centres
         self.finished: dict[str, FinishedLayer] = {}
         self.current: LayerState | None = None  # the layer a resumed run was in

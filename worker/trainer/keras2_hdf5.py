@@ -40,7 +40,7 @@ import h5py
 import numpy as np
 import numpy.typing as npt
 
-from worker.trainer._tf import keras
+from worker.trainer._keras import keras
 
 #: The Keras version whose schema the file follows (TensorFlow 2.5.1 bundles Keras 2.5.0).
 KERAS2_VERSION = "2.5.0"

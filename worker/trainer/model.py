@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.trainer._tf import keras
+from worker.trainer._keras import keras
 
 #: Width of the first block; the others are multiples of it.
 FILTERS = 32

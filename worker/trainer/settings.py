@@ -12,7 +12,7 @@ PATCH_MULTIPLE = 4
 #: Values of ``TrainSettings.strategy`` besides a tuple of device names.
 STRATEGY_CHOICES = ("auto", "mirrored", "default")
 #: Values of ``TrainSettings.mixed_precision``.
-MIXED_PRECISION_CHOICES = ("off", "float16", "bfloat16")
+MIXED_PRECISION_CHOICES = ("off", "auto", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)

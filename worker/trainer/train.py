@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from worker.trainer._tf import keras
+from worker.trainer._keras import BACKEND, keras
 from worker.trainer.callbacks import (
     BestEpoch,
     EarlyStopper,
@@ -57,7 +57,13 @@ from worker.trainer.callbacks import (
 )
 from worker.trainer.checkpoint import CheckpointStore, LayerState, TrainingInterrupted
 from worker.trainer.dataset import PatchDataset, network_order, split_validation, training_input
-from worker.trainer.distribute import TrainingPlan, dtype_policy, plan_training, trained_optimizer_variables
+from worker.trainer.distribute import (
+    TrainingPlan,
+    dtype_policy,
+    plan_training,
+    resolve_precision,
+    trained_optimizer_variables,
+)
 from worker.trainer.errors import TrainingInputError
 from worker.trainer.journal import CheckpointJournal, Journal, NoCheckpoints, NoRunDirectory, RunOutputs, SaveLayer
 from worker.trainer.model import build_sae
@@ -343,26 +349,35 @@ def restore_model(model: Any, strategy: Any, state: LayerState) -> None:
 
 
 class _AddMetricSums(keras.callbacks.Callback):  # type: ignore[misc]
-    """Adds the running sums of the metrics at an interruption to the first batch's.
+    """Puts the running sums of the metrics at an interruption back into the resumed epoch's.
 
-    Keras resets the metrics when an epoch begins and builds them at the first step, so
-    they cannot be set before it. They are sums (Keras' Mean: total and count), and float
-    addition commutes, so the saved sums plus the first batch's equal, bit for bit, what
-    the uninterrupted epoch had after that batch: the epoch's loss and accuracy cover the
-    whole epoch.
+    They are sums (Keras' Mean: total and count), and float addition commutes, so the saved
+    sums plus the first batch's equal, bit for bit, what the uninterrupted epoch had after
+    that batch: the epoch's loss and accuracy cover the whole epoch. On TensorFlow, Keras
+    builds the metrics at the first step, so the sums are added after it; on JAX the metrics
+    are built before the epoch begins, and a variable written during the epoch would be
+    overwritten by the step's own state (keras#19054), so the sums are set when the epoch
+    begins, right after Keras reset the metrics to zero.
     """
 
     def __init__(self, sums: list[npt.NDArray[Any]]) -> None:
         super().__init__()
         self.sums: list[npt.NDArray[Any]] | None = sums
 
-    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+    def _add(self) -> None:
         if self.sums is None:
             return
         variables = [v for metric in self.model.metrics for v in metric.variables]
         for variable, value in zip(variables, self.sums, strict=True):
             variable.assign_add(value)
         self.sums = None
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        if BACKEND == "jax":
+            self._add()
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        self._add()
 
 
 class LayerLoop(keras.callbacks.Callback):  # type: ignore[misc]
@@ -398,6 +413,7 @@ class LayerLoop(keras.callbacks.Callback):  # type: ignore[misc]
         self.epoch = 0  # 0-based index of the epoch in progress
         self.samples_done = 0  # of that epoch, in the order self.order
         self.order: npt.NDArray[np.int64] | None = None
+        self._epoch_start = 0  # samples_done when this fit's epoch began (a resumed epoch: not 0)
         self._continue: tuple[npt.NDArray[np.int64], int] | None = None
 
     @property
@@ -414,10 +430,16 @@ class LayerLoop(keras.callbacks.Callback):  # type: ignore[misc]
             (self.order, self.samples_done), self._continue = self._continue, None
         else:  # EpochShuffle, earlier in the list, has drawn this epoch's order
             self.order, self.samples_done = self.data.order, 0
+        self._epoch_start = self.samples_done
 
-    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
-        self.samples_done = min(self.samples_done + self.data.batch_size, self.data.samples)
-        if self.stop_requested is None or self.samples_done >= self.data.samples or not self.stop_requested():
+    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        # Before batch ``batch`` rather than after batch ``batch - 1``: Keras waits for a step's
+        # results before every on_train_batch_end hook it calls (to hand them its logs), which
+        # would keep the host from preparing the next batch while the GPU works on this one.
+        if batch == 0:  # nothing of this fit is trained yet: the epoch end or the start checked
+            return
+        self.samples_done = self._epoch_start + batch * self.data.batch_size
+        if self.stop_requested is None or not self.stop_requested():
             return
         path = self.save_now()
         done = math.ceil(self.samples_done / self.data.batch_size)
@@ -551,15 +573,16 @@ def train_label(
 
     def fit(data: Any, start: int, stop: int, samples: int, own: list[Any]) -> None:
         reporter = EpochReporter(label, samples, on_epoch)
-        model.fit(
-            training_input(data),
-            validation_data=validation_input,
-            initial_epoch=start,
-            epochs=stop,
-            shuffle=False,  # the dataset shuffles itself (EpochShuffle): Keras would reorder its batches
-            callbacks=[*own, best, stopper, reporter, *callbacks, loop],
-            verbose=0,
-        )
+        with plan.training():
+            model.fit(
+                training_input(data),
+                validation_data=validation_input,
+                initial_epoch=start,
+                epochs=stop,
+                shuffle=False,  # the dataset shuffles itself (EpochShuffle): Keras would reorder its batches
+                callbacks=[*own, best, stopper, reporter, *callbacks, loop],
+                verbose=0,
+            )
 
     left = rest_of_epoch is not None or (first_epoch < settings.epochs and not stopper.stopped)
     if left and stop_requested is not None and stop_requested():  # the latest checkpoint is where we are
@@ -674,7 +697,9 @@ def train_pages(
     check_pages(pages, settings)
     labels = list(pages[0].masks)
     starting, digests = read_starting_models(initial_models or {}, labels, settings)
-    journal = open_journal(pages, settings, checkpoints, digests)
+    precision = resolve_precision(settings.mixed_precision)  # "auto": what this node's GPUs do well
+    journal = open_journal(pages, settings, checkpoints, digests, {"backend": BACKEND, "mixed_precision": precision})
+    settings = dataclasses.replace(settings, mixed_precision=journal.trained_on["mixed_precision"])
     check_samples(journal.centres, settings)
     outputs.reserve_tensorboard_names(labels)  # the same directory per label whichever layer a run starts at
     journal.restore_records(outputs)
@@ -754,24 +779,61 @@ def open_journal(
     settings: TrainSettings,
     checkpoints: CheckpointStore | None,
     starting_models: Mapping[str, str] | None = None,
+    trained_on: Mapping[str, str] | None = None,
 ) -> Journal:
     """The run's journal: resumed from the latest checkpoint in ``checkpoints`` (which must be
     of these pages, these settings and these starting models' digests), else a new run's (its
-    seed drawn if not set, its samples drawn); without ``checkpoints``, one that saves nothing."""
+    seed drawn if not set, its samples drawn); without ``checkpoints``, one that saves nothing.
+
+    ``trained_on`` (default: this process's Keras backend and ``settings.mixed_precision``) is
+    kept in the checkpoints: a run resumes only on the backend it started on
+    (TrainingInputError naming both otherwise), and keeps the precision it started with
+    (``journal.trained_on``), whatever ``settings`` now say.
+    """
+    trained_on = dict(trained_on or {"backend": BACKEND, "mixed_precision": settings.mixed_precision})
     if checkpoints is None:
-        return NoCheckpoints(settings.seed, _sample(pages, settings, settings.seed))
+        journal: Journal = NoCheckpoints(settings.seed, _sample(pages, settings, settings.seed))
+        journal.trained_on = trained_on
+        return journal
     run = pages_identity(pages, settings, starting_models)
     state = checkpoints.load_latest()
     if state is None:
         # kept in the checkpoints, so that a resumed run continues with it
         seed = settings.seed if settings.seed is not None else secrets.randbits(63)
-        return CheckpointJournal(checkpoints, run, seed, _sample(pages, settings, seed), None)
+        run["trained_on"] = trained_on
+        journal = CheckpointJournal(checkpoints, run, seed, _sample(pages, settings, seed), None)
+        journal.trained_on = trained_on
+        return journal
     check_same_run(state.run, run, checkpoints.directory)
+    run["trained_on"] = kept_trained_on(state.run, trained_on, checkpoints.directory)
     log.info(
         "resuming from checkpoint %d: %d of %d layers finished",
         state.sequence, len(state.finished), len(pages[0].masks),
     )  # fmt: skip
-    return CheckpointJournal(checkpoints, run, state.seed, state.centres, state)
+    journal = CheckpointJournal(checkpoints, run, state.seed, state.centres, state)
+    journal.trained_on = run["trained_on"]
+    return journal
+
+
+def kept_trained_on(saved_run: Mapping[str, Any], now: Mapping[str, str], where: object) -> dict[str, str]:
+    """What a resumed run trains on: its checkpoints' backend, which must be this process's, and precision.
+
+    Checkpoints written before they recorded it are TensorFlow's, in the precision now asked for.
+    """
+    saved = dict(saved_run.get("trained_on") or {"backend": "tensorflow"})
+    if saved["backend"] != now["backend"]:
+        raise TrainingInputError(
+            f"the checkpoints in {where} were written on Keras' {saved['backend']} backend and this worker runs "
+            f"{now['backend']}: a run continues on the backend it started on. Run its continuation in a worker "
+            f"environment with KERAS_BACKEND={saved['backend']} (e.g. in HPC_JOB_PROLOGUE), or start a new run"
+        )
+    precision = saved.get("mixed_precision", now["mixed_precision"])
+    if precision != now["mixed_precision"]:
+        log.warning(
+            "the run started with mixed_precision %r and continues with it (%r was asked for)",
+            precision, now["mixed_precision"],
+        )  # fmt: skip
+    return {"backend": saved["backend"], "mixed_precision": precision}
 
 
 def _sample(pages: Sequence[Page], settings: TrainSettings, seed: int | None) -> dict[str, Centres]:
