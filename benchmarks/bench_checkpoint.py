@@ -1,8 +1,8 @@
 """What checkpointing costs a training step: none, node-local with background sync, synchronous to slow storage.
 
 Trains the real SAE (``plan_training``, ``PatchDataset`` batches cut from a synthetic uint8
-page, as ``bench_throughput.py``) for ``--warmup`` untimed and ``--steps`` timed steps in
-three cases:
+page and read by ``fit`` through ``training_input``, as ``bench_throughput.py``) for ``--warmup``
+untimed and ``--steps`` timed steps in three cases:
 
 (a) no checkpoints;
 (b) a checkpoint every ``--every`` steps to a node-local directory (this machine's disk),
@@ -25,6 +25,7 @@ checkpoints were written, their size, and the time ``save()`` held the training 
 
     .venv/bin/python benchmarks/bench_checkpoint.py                 # 64x64, batch 16, 2 x 40 steps, every 10
     .venv/bin/python benchmarks/bench_checkpoint.py --steps 30 --every 5 --slow-mbps 50
+    .venv/bin/python benchmarks/bench_checkpoint.py --quick         # smoke test: 16x16, 1 round of 1 + 3 steps
 """
 
 from __future__ import annotations
@@ -48,10 +49,10 @@ import numpy as np  # noqa: E402
 
 from benchmarks.tables import print_table  # noqa: E402
 from worker.trainer import TrainSettings  # noqa: E402
-from worker.trainer._tf import keras  # noqa: E402
+from worker.trainer._keras import keras  # noqa: E402
 from worker.trainer.callbacks import BestEpoch, EarlyStopper, EpochShuffle  # noqa: E402
 from worker.trainer.checkpoint import CheckpointStore, TrainingState  # noqa: E402
-from worker.trainer.dataset import PatchDataset  # noqa: E402
+from worker.trainer.dataset import PatchDataset, training_input  # noqa: E402
 from worker.trainer.distribute import plan_training  # noqa: E402
 from worker.trainer.sync import CheckpointSync, copy_file_atomic  # noqa: E402
 from worker.trainer.train import LayerLoop  # noqa: E402
@@ -168,7 +169,7 @@ def run_case(case: str, args: argparse.Namespace, workdir: Path) -> dict[str, An
     started = time.perf_counter()
     if sync is not None:
         sync.start()
-    model.fit(data, epochs=1, steps_per_epoch=steps, shuffle=False, callbacks=callbacks, verbose=0)
+    model.fit(training_input(data), epochs=1, shuffle=False, callbacks=callbacks, verbose=0)  # `steps` batches
     trained = time.perf_counter() - started
     flushed = 0.0
     if sync is not None:
@@ -214,7 +215,13 @@ def main() -> int:
     parser.add_argument("--sync-interval", type=float, default=1.0, help="seconds between background syncs")
     parser.add_argument("--rounds", type=int, default=2, help="rounds over the three cases (their steps are pooled)")
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary directory)")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke test: 16x16, 1 round of 1 + 3 steps, a checkpoint every 2, 100 MB/s"
+    )
     args = parser.parse_args()
+    if args.quick:  # these replace the defaults; options given still win
+        parser.set_defaults(patch=16, steps=3, warmup=1, every=2, rounds=1, slow_mbps=100.0)
+        args = parser.parse_args()
     cases = ["none", "local + background sync", "synchronous to slow storage"]
     runs: dict[str, list[dict[str, Any]]] = {case: [] for case in cases}
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:

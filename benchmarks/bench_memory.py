@@ -33,6 +33,7 @@ GB are 10**9 bytes.
 
     .venv/bin/python benchmarks/bench_memory.py                                   # ~3 min on 2 cores
     .venv/bin/python benchmarks/bench_memory.py --mixed-precision off bfloat16    # also the opt-in bf16
+    .venv/bin/python benchmarks/bench_memory.py --quick                           # smoke test: see QUICK
 """
 
 from __future__ import annotations
@@ -59,6 +60,10 @@ import numpy.typing as npt  # noqa: E402
 from benchmarks.tables import print_table  # noqa: E402
 
 GB = 1e9
+#: ``--quick``: a 640x640 page, 2 layers of at most 64 samples, 32x32 patches, 1 + 1 batches per layer,
+#: the original's sampling at 16 per label: that the benchmark still runs, not what it measures.
+QUICK = {"height": 640, "width": 640, "layers": 2, "samples": 64, "patch": 32, "steps": 1, "val_steps": 1,
+         "original_samples": 16}  # fmt: skip
 
 
 def rss_bytes() -> int:
@@ -236,7 +241,11 @@ def main() -> int:
     )  # fmt: skip
     parser.add_argument("--child", choices=["ours", "original"], help=argparse.SUPPRESS)
     parser.add_argument("--precision", default="off", help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help="smoke test: a 640x640 page, 2 layers, 32x32, 1 step")
     args = parser.parse_args()
+    if args.quick:  # QUICK replaces the defaults; options given still win
+        parser.set_defaults(**QUICK)
+        args = parser.parse_args()
 
     if args.child == "ours":
         print(json.dumps(child_ours(args)))

@@ -103,7 +103,7 @@ def child(spec_path: Path) -> int:
     from worker import memory, onednn
 
     onednn.choose(onednn.tuning_dir())  # before TensorFlow is imported, as the worker does
-    from worker.trainer._tf import keras
+    from worker.trainer._keras import keras
 
     memory.release_library_pages()
     from worker.sample_zips import read_samples

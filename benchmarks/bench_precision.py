@@ -10,12 +10,16 @@ number of epochs and no early stopping. ``float32 (seed 2)`` trains float32 agai
 initial weights and shuffles: the spread of float32 against itself, the yardstick for "the same
 accuracy".
 
-It uses Keras alone (no ``tf.distribute``), so it runs on any Keras backend: TensorFlow here, JAX
-on a GPU machine that has no TensorFlow (``KERAS_BACKEND=jax``). The page's masks come from
-``HPC_EINSIEDELN_DIR`` (default: the data set beside the checkout, ``bridge.testing.samples.EINSIEDELN_DIR``).
+It uses Keras alone (no ``tf.distribute``), and ``fit`` reads the trainer's own input pipeline
+(``worker.trainer.dataset.training_input``, on either backend), so it runs on any Keras backend that
+pipeline supports: TensorFlow here, JAX on a GPU machine that has no TensorFlow (``--backend jax``, or
+``KERAS_BACKEND=jax``; without ``--backend`` the environment's choice stands). The page's masks come
+from ``HPC_EINSIEDELN_DIR`` (default: the data set beside the checkout,
+``bridge.testing.samples.EINSIEDELN_DIR``).
 
-    .venv/bin/python benchmarks/bench_precision.py --patch 32 --samples 200 --epochs 2   # a smoke run, CPU
-    KERAS_BACKEND=jax python benchmarks/bench_precision.py                                # on a GPU
+    .venv/bin/python benchmarks/bench_precision.py --quick                                # smoke test, CPU: ~20 s
+    .venv/bin/python benchmarks/bench_precision.py --patch 32 --samples 200 --epochs 2   # a small run, CPU
+    python benchmarks/bench_precision.py --backend jax                                    # on a GPU
 """
 
 from __future__ import annotations
@@ -29,6 +33,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+#: The Keras backends ``--backend`` offers.
+BACKENDS = ("tensorflow", "jax")
+
+
+def chosen_backend(argv: list[str]) -> str | None:
+    """``--backend`` of ``argv`` (None when absent), read before anything imports Keras."""
+    early = argparse.ArgumentParser(add_help=False)
+    early.add_argument("--backend", choices=BACKENDS)
+    return early.parse_known_args(argv)[0].backend  # type: ignore[no-any-return]
+
+
+if __name__ == "__main__" and (_backend := chosen_backend(sys.argv[1:])) is not None:
+    os.environ["KERAS_BACKEND"] = _backend  # Keras reads it once, when first imported
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -38,9 +55,9 @@ import numpy as np  # noqa: E402
 from benchmarks.tables import print_table  # noqa: E402
 from bridge.testing.samples import EINSIEDELN_DIR, synthesize_page_from_masks  # noqa: E402
 from worker.trainer import load_page  # noqa: E402
-from worker.trainer._tf import keras  # noqa: E402
+from worker.trainer._keras import keras  # noqa: E402
 from worker.trainer.callbacks import EpochShuffle  # noqa: E402
-from worker.trainer.dataset import PatchDataset, split_validation  # noqa: E402
+from worker.trainer.dataset import PatchDataset, split_validation, training_input  # noqa: E402
 from worker.trainer.distribute import dtype_policy  # noqa: E402
 from worker.trainer.model import build_sae, compile_sae  # noqa: E402
 from worker.trainer.sampling import sample_centres  # noqa: E402
@@ -54,6 +71,17 @@ RUNS = {
 }
 #: The old generation's inputs of synthesize_page_from_masks, by the mask they come from.
 LAYERS = {"Background": "Background", "Neumes": "Music Layer", "StaffLines": "Staff Layer"}
+#: ``--quick``: a 512x512 crop with all three layers, one layer, float32 only (mixed precision is several
+#: times slower on a CPU), one epoch of 3 steps: that the benchmark still runs, not what it measures.
+QUICK: dict[str, Any] = {
+    "patch": 32,
+    "samples": 48,
+    "epochs": 1,
+    "layers": ["Neumes"],
+    "runs": ["float32"],
+    "crop": [1024, 2048, 1536, 2560],
+}
+QUICK_DESCRIPTION = "32x32, at most 48 samples, 1 epoch, Neumes, float32, a 512x512 crop"
 
 
 class EpochTimes(keras.callbacks.Callback):  # type: ignore[misc]
@@ -91,8 +119,8 @@ def train(page: Any, label: str, centres: Any, policy: str, seed: int, args: arg
         compile_sae(model)
     times = EpochTimes()
     history = model.fit(
-        data,
-        validation_data=validation,
+        training_input(data),
+        validation_data=training_input(validation),
         epochs=args.epochs,
         shuffle=False,
         callbacks=[EpochShuffle(data.shuffle), times],
@@ -123,10 +151,19 @@ def main() -> int:
     parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     parser.add_argument("--crop", type=int, nargs=4, default=[0, 1024, 2048, 3072], metavar=("L", "T", "R", "B"))
     parser.add_argument("--json", type=Path, help="also write every run's numbers here")
+    parser.add_argument(
+        "--backend", choices=BACKENDS, help="the Keras backend (default: KERAS_BACKEND, else Keras' own default)"
+    )
+    parser.add_argument("--quick", action="store_true", help="smoke test: " + QUICK_DESCRIPTION)
     args = parser.parse_args()
+    if args.quick:  # QUICK's values replace the defaults; options given still win
+        parser.set_defaults(**QUICK)
+        args = parser.parse_args()
+    if args.backend is not None and keras.backend.backend() != args.backend:
+        parser.error(f"--backend {args.backend}: Keras was imported on {keras.backend.backend()} already")
 
     with tempfile.TemporaryDirectory(prefix="bench-precision-") as scratch:
-        page = load_real_page(tuple(args.crop), Path(scratch))  # type: ignore[arg-type]
+        page = load_real_page(tuple(args.crop), Path(scratch))
     centres = sample_centres(page.masks, args.patch, args.patch, args.samples, np.random.default_rng(0))
     print(
         f"Keras {keras.__version__} on {keras.backend.backend()} ({device()}); page {page.image.shape[1]}x"
@@ -161,16 +198,13 @@ def main() -> int:
 
 
 def device() -> str:
-    """Where Keras computes: the JAX platform or TensorFlow's first GPU, else the CPU."""
+    """Where Keras computes: JAX's first device by kind, else the first GPU Keras sees, else the CPU."""
     if keras.backend.backend() == "jax":
         import jax
 
         return str(jax.devices()[0].device_kind)
-    if keras.backend.backend() == "tensorflow":
-        import tensorflow as tf
-
-        return "GPU" if tf.config.list_physical_devices("GPU") else f"CPU ({os.cpu_count()} cores)"
-    return "?"
+    gpus = [name for name in keras.distribution.list_devices() if name.lower().startswith("gpu")]
+    return f"{len(gpus)} GPU(s)" if gpus else f"CPU ({os.cpu_count()} cores)"
 
 
 if __name__ == "__main__":

@@ -11,12 +11,13 @@ then times, with the same masks and the default settings (256 x 256 patches, at 
 - ``original``: :func:`benchmarks.original_sampler.original_sample`, the original trainer's Python loop over
   every pixel (run once: about 5 s on the full page).
 
-and prints a table: method, seconds, samples per layer, speed-up; then the peak memory
+and prints a Markdown table: method, seconds, samples per layer, speed-up; then the peak memory
 that each allocates (tracemalloc, measured in separate untimed runs, since tracing slows
 the loop down) and the process's peak RSS (which is mostly the decoded PNGs).
 
     .venv/bin/python benchmarks/bench_sampling.py              # the full page
     .venv/bin/python benchmarks/bench_sampling.py --rows 2000  # the first 2000 rows only
+    .venv/bin/python benchmarks/bench_sampling.py --quick      # smoke test: 1500 rows, 1 run, no traced runs
 
 On 2 cores the full page takes about a minute and a half: decoding the PNGs (~10 s), the
 loop (~5 s), then its traced run (tracemalloc slows it down ~10x; ``--no-memory`` skips
@@ -45,6 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.original_sampler import original_sample  # noqa: E402
+from benchmarks.tables import print_table  # noqa: E402
 
 
 def _load_sampling() -> ModuleType:
@@ -103,7 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="timed runs of the vectorised sampler (best is kept)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-memory", action="store_true", help="skip the traced (untimed) memory runs")
+    parser.add_argument("--quick", action="store_true", help="smoke test: --rows 1500 --repeats 1 --no-memory")
     args = parser.parse_args(argv)
+    if args.quick:  # these replace the defaults; options given still win
+        parser.set_defaults(rows=1500, repeats=1, no_memory=True)
+        args = parser.parse_args(argv)
 
     start = time.perf_counter()
     masks = load_masks(args.data, args.rows)
@@ -138,12 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     loop_counts = loop()
     loop_seconds = time.perf_counter() - start
 
-    header = f"{'method':<12} {'seconds':>10}  " + "  ".join(f"{label:>11}" for label in LAYERS) + f"  {'speed-up':>9}"
-    print(header)
-    print("-" * len(header))
-    for name, seconds, counts in (("original", loop_seconds, loop_counts), ("vectorised", vec_seconds, vec_counts)):
-        cells = "  ".join(f"{counts[label]:>11,d}" for label in LAYERS)
-        print(f"{name:<12} {seconds:>10.4f}  {cells}  {loop_seconds / seconds:>8.0f}x")
+    rows = [
+        [name, f"{seconds:.4f}", *(f"{counts[label]:,d}" for label in LAYERS), f"{loop_seconds / seconds:.0f}x"]
+        for name, seconds, counts in (("original", loop_seconds, loop_counts), ("vectorised", vec_seconds, vec_counts))
+    ]
+    print_table(["method", "seconds", *LAYERS, "speed-up"], rows)
     print(
         f"(vectorised: best of {len(times)} runs, all {', '.join(f'{t:.4f}' for t in times)} s; "
         "the columns per layer are the samples drawn)"

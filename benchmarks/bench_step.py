@@ -17,10 +17,12 @@ the first epoch (the first step traces the function; with XLA, compiles it). Cas
   shuffled arrays, as ``original_stack/original_trainer.py``) in its Python 3.7 + TensorFlow 1.14 +
   Keras 2.3.1 environment (built by ``bench_trainer.py``'s set-up).
 
-At 8x8 patches the step is almost all overhead, so its time is each stack's per-step cost.
+At 8x8 patches the step is almost all overhead, so its time is each stack's per-step cost. A case
+that fails is a row saying so, and the script then exits with status 1.
 
     .venv/bin/python benchmarks/bench_step.py                 # 8x8, 64x64 and 256x256: ~6 minutes
     .venv/bin/python benchmarks/bench_step.py --patch 8 64    # ~2 minutes
+    .venv/bin/python benchmarks/bench_step.py --quick         # smoke test: 8x8, the default case, 10 steps
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ print(json.dumps({"first_epoch_s": ends[0] - start, "step_s": (ends[1] - ends[0]
                   "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
 BATCH = 16
+#: ``--quick``: the trainer's own case (it needs nothing but this checkout's .venv, not the original's stack).
+QUICK_CASES = ["default"]
 
 
 def child(case: dict[str, Any], patch: int, steps: int) -> dict[str, Any]:
@@ -78,7 +82,7 @@ def child(case: dict[str, Any], patch: int, steps: int) -> dict[str, Any]:
         tf.config.threading.set_intra_op_parallelism_threads(case["intra"])
     if case.get("inter"):
         tf.config.threading.set_inter_op_parallelism_threads(case["inter"])
-    from worker.trainer._tf import keras
+    from worker.trainer._keras import keras
     from worker.trainer.model import LEARNING_RATE, build_sae
 
     model = build_sae(patch, patch)
@@ -112,7 +116,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--patch", type=int, nargs="+", default=[8, 64, 256])
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES), metavar="CASE",
+                        help=f"the cases to run (default: all): {', '.join(map(repr, CASES))}")  # fmt: skip
+    parser.add_argument("--steps", type=int, help="timed steps per case (default: 200 at 8x8, 16 to 64x64, else 3)")
+    parser.add_argument("--quick", action="store_true", help=f"smoke test: 8x8, 10 steps, cases {QUICK_CASES}")
     args = parser.parse_args()
+    if args.quick:  # these replace the defaults; options given still win
+        parser.set_defaults(patch=[8], cases=QUICK_CASES, steps=10)
+        args = parser.parse_args()
     if args.child:
         name, patch, steps = json.loads(args.child)
         print(json.dumps(child(CASES[name], patch, steps)))
@@ -121,9 +132,11 @@ def main() -> int:
     from benchmarks.tables import print_table
 
     rows = []
+    failed = False
     for patch in args.patch:
-        steps = 200 if patch <= 8 else 16 if patch <= 64 else 3
-        for name, case in CASES.items():
+        steps = args.steps or (200 if patch <= 8 else 16 if patch <= 64 else 3)
+        for name in args.cases:
+            case = CASES[name]
             env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_VISIBLE_DEVICES": "", **case.get("env", {})}
             command = [sys.executable, __file__, "--child", json.dumps([name, patch, steps])]
             if case.get("original"):
@@ -135,7 +148,9 @@ def main() -> int:
             load = os.getloadavg()[0]
             done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800, check=False)
             if done.returncode:
-                rows.append([f"{patch}x{patch}", name, "failed", done.stderr.strip().splitlines()[-1][:80], "", ""])
+                last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+                rows.append([f"{patch}x{patch}", name, "failed", last[:80], "", ""])
+                failed = True
                 continue
             r = json.loads(done.stdout.strip().splitlines()[-1])
             rows.append(
@@ -143,7 +158,7 @@ def main() -> int:
                  f"{r['peak_mib']:.0f}", f"{load:.2f}"]
             )  # fmt: skip
     print_table(["patch", "case", "step ms", "first epoch s (incl. trace)", "peak RSS MiB", "load"], rows)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

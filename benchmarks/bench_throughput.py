@@ -3,7 +3,8 @@
 For each patch size it builds the model as ``train_label`` does (``plan_training``: the
 ``tf.distribute`` strategy and the dtype policy chosen for this machine, model and optimizer
 created inside ``strategy.scope()``) and fits it on real ``PatchDataset`` batches cut from a
-synthetic uint8 page, so the timings include cutting the patches. The first ``--warmup``
+synthetic uint8 page through the trainer's input pipeline (``training_input``, what ``fit``
+reads in ``train_label``), so the timings include cutting the patches. The first ``--warmup``
 steps (the first one traces the ``tf.function``) are excluded; every timed step ends by
 reading its loss back, so the GPU has finished it (this forgoes overlapping one step's
 dispatch with the next: a slight underestimate on a GPU).
@@ -11,9 +12,11 @@ dispatch with the next: a slight underestimate on a GPU).
 It runs unchanged on a GPU node: with one GPU it trains there (float32, as the product does
 unless an operator opts in); with several, under ``MirroredStrategy`` sharing the global
 ``--batch`` among them (so a step takes the same patches, in less time). ``--strategy`` and
-``--mixed-precision`` override the choice as ``TrainSettings`` does.
+``--mixed-precision`` override the choice as ``TrainSettings`` does. TensorFlow only, as the
+trainer's strategies are (``tf.distribute``).
 
     .venv/bin/python benchmarks/bench_throughput.py                      # 64x64 and 256x256
+    .venv/bin/python benchmarks/bench_throughput.py --quick              # smoke test: 32x32, 1 + 3 steps
     .venv/bin/python benchmarks/bench_throughput.py --patch 64 --steps 30
     .venv/bin/python benchmarks/bench_throughput.py --mixed-precision bfloat16 --patch 256
 """
@@ -36,8 +39,8 @@ import numpy as np  # noqa: E402
 
 from benchmarks.tables import print_table  # noqa: E402
 from worker.trainer import TrainSettings  # noqa: E402
-from worker.trainer._tf import keras  # noqa: E402
-from worker.trainer.dataset import PatchDataset  # noqa: E402
+from worker.trainer._keras import keras  # noqa: E402
+from worker.trainer.dataset import PatchDataset, training_input  # noqa: E402
 from worker.trainer.distribute import plan_training, strategy_name  # noqa: E402
 
 PAGE_SIDE = 2048
@@ -92,7 +95,7 @@ def measure(patch: int, args: argparse.Namespace) -> dict[str, Any]:
     data = PatchDataset(image, mask, centres, patch, patch, plan.global_batch_size, shuffle_rng=rng)
     model = plan.build_model(patch, patch)
     timer = StepTimer()
-    model.fit(data, epochs=1, steps_per_epoch=steps, callbacks=[timer], verbose=0)
+    model.fit(training_input(data), epochs=1, callbacks=[timer], verbose=0)  # n samples: exactly `steps` batches
     timed = timer.seconds[args.warmup :]
     mean = statistics.fmean(timed)
     return {
@@ -117,7 +120,13 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=16, help="the batch of one step, shared by the replicas")
     parser.add_argument("--strategy", default="auto", help='"auto", "mirrored", "default" or devices "/cpu:0,..."')
     parser.add_argument("--mixed-precision", default="off", choices=["off", "float16", "bfloat16"])
+    parser.add_argument("--quick", action="store_true", help="smoke test: 32x32 patches, 1 untimed + 3 timed steps")
     args = parser.parse_args()
+    if args.quick:  # these replace the defaults; options given still win
+        parser.set_defaults(patch=[32], steps=3, warmup=1)
+        args = parser.parse_args()
+    if keras.backend.backend() != "tensorflow":
+        parser.error(f"the trainer's strategies are tf.distribute's: run on TensorFlow, not {keras.backend.backend()}")
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup and --steps must be at least 1 (the first step traces the function)")
 

@@ -30,6 +30,11 @@ validation, epoch-end work (checkpoints, TensorBoard), the time between layers.
     .venv/bin/python benchmarks/bench_trainer.py                          # all settings, 2 rounds: ~50 min
     .venv/bin/python benchmarks/bench_trainer.py --settings 64 --rounds 1 # ~3 min
     .venv/bin/python benchmarks/bench_trainer.py --before HEAD~3       # adds the old trainer's profile
+    .venv/bin/python benchmarks/bench_trainer.py --quick               # smoke test: one tiny layer per side
+
+Every run, ``--quick`` included, needs the original's stack: the first one builds it (Python 3.7 and
+the packages of ``original_stack/requirements-tf1.14-py3.7.txt`` from PyPI), which CI cannot;
+``tests/test_benchmarks_stacks.py`` checks there that the options parse and the imports resolve.
 """
 
 from __future__ import annotations
@@ -82,7 +87,10 @@ SETTINGS = {
     "64": Setting(64, 300, 3, tuple(LAYERS)),  # 209-251 samples per layer on this crop
     "256": Setting(256, 300, 1, tuple(LAYERS)),  # 54-65 (fewer 256x256 centres fit the crop)
     "64-learn": Setting(64, 600, 6, ("Neumes", "StaffLines")),
+    "quick": Setting(32, 48, 1, ("Neumes",)),  # --quick: that both sides still run, not what they measure
 }
+#: What runs without ``--settings``.
+DEFAULT_SETTINGS = ["64", "256", "64-learn"]
 #: A 1024 x 1024 crop with all three layers (left, top, right, bottom of the 4872 x 12992 masks).
 CROP = (1024, 2048, 2048, 3072)
 GiB = 1 << 30
@@ -106,7 +114,7 @@ def child(spec_path: Path) -> int:
         onednn.choose(onednn.tuning_dir())
     import numpy as np
 
-    from worker.trainer._tf import keras
+    from worker.trainer._keras import keras
 
     try:
         from worker import memory
@@ -140,45 +148,21 @@ def child(spec_path: Path) -> int:
 
         drawn = run_centres(page.masks, spec["patch"], spec["patch"], settings.max_samples_per_label, settings.seed)
         assert all(np.array_equal(drawn[label], data[f"centres_{i}"]) for i, label in enumerate(labels))
+    from timeline import timeline_class
+
+    Timeline = timeline_class(keras.callbacks.Callback)
     layers: list[dict[str, Any]] = []
     initial: list[list[Any]] = []
 
-    class Timeline(keras.callbacks.Callback):  # type: ignore[misc]
-        def __init__(self, events: list[Any]) -> None:
-            super().__init__()
-            self.events = events
-
-        def on_train_begin(self, logs: Any = None) -> None:
-            self.events.append(["train_begin", None, time.time()])
-            if len(initial) < len(layers):  # the layer's first fit: the weights it starts from
-                initial.append(self.model.get_weights())
-
-        def on_train_end(self, logs: Any = None) -> None:
-            self.events.append(["train_end", None, time.time()])
-
-        def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
-            self.events.append(["epoch_begin", epoch, time.time()])
-
-        def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-            self.events.append(["epoch_end", epoch, time.time()])
-
-        def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
-            self.events.append(["batch_begin", batch, time.time()])
-
-        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-            self.events.append(["batch_end", batch, time.time()])
-
-        def on_test_begin(self, logs: Any = None) -> None:
-            self.events.append(["test_begin", None, time.time()])
-
-        def on_test_end(self, logs: Any = None) -> None:
-            self.events.append(["test_end", None, time.time()])
+    def starting_weights(model: Any) -> None:
+        if len(initial) < len(layers):  # the layer's first fit: the weights it starts from
+            initial.append(model.get_weights())
 
     class TimedRunDirectory(RunDirectory):
         def keras_callbacks(self, label: str) -> list[Any]:
             layer: dict[str, Any] = {"label": label, "events": []}
             layers.append(layer)
-            return [*super().keras_callbacks(label), Timeline(layer["events"])]
+            return [*super().keras_callbacks(label), Timeline(layer["events"], on_train_begin=starting_weights)]
 
     out = Path(spec["out_dir"])
     run_dir = TimedRunDirectory.create(out / "runs", "bench")
@@ -433,12 +417,20 @@ def report(results: list[dict[str, Any]], sides: list[str]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--settings", nargs="+", default=DEFAULT_SETTINGS, choices=list(SETTINGS))
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke test: --settings quick (32x32, 48 samples, 1 epoch, Neumes) --rounds 1; needs the original's stack",
+    )
     parser.add_argument("--before", metavar="REF", help="also run the trainer of this commit (e.g. HEAD~3)")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--json", type=Path, help="also write every run's raw record here")
     args = parser.parse_args()
+    if args.quick:  # these replace the defaults; options given still win
+        parser.set_defaults(settings=["quick"], rounds=1)
+        args = parser.parse_args()
     if args.child:
         return child(args.child)
     sys.path.insert(0, str(REPO))

@@ -17,8 +17,9 @@ an HDF5 file, EarlyStopping with patience 3), with two differences for the compa
   project's trainer started that layer from (its seed's ``he_normal`` draws), so that the
   two trainers' validation accuracies differ only by what they do, not by their random
   starting points (with 36 steps at lr 1e-4 the starting point decides most of it);
-* a callback records when every batch, validation and epoch begins and ends, and
-  ``verbose=0`` replaces ``verbose=2`` (a line per epoch on stdout, which carries the JSON).
+* a callback records when every batch, validation and epoch begins and ends (the benchmarks'
+  one ``Timeline``, ``benchmarks/timeline.py``), and ``verbose=0`` replaces ``verbose=2`` (a line
+  per epoch on stdout, which carries the JSON).
 
 Usage: ``python original_trainer.py SPEC.json`` where the spec names an ``.npz`` with
 ``image`` (uint8 H x W x 3 in BGR order, as ``cv2.imread`` gives it), ``mask_<i>`` (bool)
@@ -39,6 +40,9 @@ from keras.callbacks import Callback, EarlyStopping, ModelCheckpoint  # noqa: E4
 from keras.layers import Concatenate, Conv2D, Input, MaxPooling2D, UpSampling2D  # noqa: E402
 from keras.models import Model  # noqa: E402
 from keras.optimizers import Adam  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/, for timeline.py
+from timeline import timeline_class  # noqa: E402
 
 IMPORTED = time.time()
 VALIDATION_SPLIT = 0.2
@@ -96,39 +100,8 @@ def get_train(input_image, gt, centres, patch_height, patch_width):
     return x_train, y_train
 
 
-class Timeline(Callback):
-    """Wall-clock times of the fit's events (the same record as the benchmark's for the project)."""
-
-    def __init__(self, events):
-        super().__init__()
-        self.events = events
-
-    def _add(self, what, index=None):
-        self.events.append([what, index, time.time()])
-
-    def on_train_begin(self, logs=None):
-        self._add("train_begin")
-
-    def on_train_end(self, logs=None):
-        self._add("train_end")
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._add("epoch_begin", epoch)
-
-    def on_epoch_end(self, epoch, logs=None):
-        self._add("epoch_end", epoch)
-
-    def on_train_batch_begin(self, batch, logs=None):
-        self._add("batch_begin", batch)
-
-    def on_train_batch_end(self, batch, logs=None):
-        self._add("batch_end", batch)
-
-    def on_test_begin(self, logs=None):
-        self._add("test_begin")
-
-    def on_test_end(self, logs=None):
-        self._add("test_end")
+#: Wall-clock times of the fit's events: the same record as the project's side of the benchmark.
+Timeline = timeline_class(Callback)
 
 
 def peak_rss_bytes():
