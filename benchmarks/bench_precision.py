@@ -150,6 +150,11 @@ def main() -> int:
     parser.add_argument("--layers", nargs="+", default=["Neumes", "StaffLines"], choices=list(LAYERS))
     parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     parser.add_argument("--crop", type=int, nargs=4, default=[0, 1024, 2048, 3072], metavar=("L", "T", "R", "B"))
+    parser.add_argument(
+        "--seeds", type=int, default=1,
+        help="train every run from this many seeds (initial weights and shuffles); from 2 on, a second table "
+        "judges each policy against float32's own spread across its seeds",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, help="also write every run's numbers here")
     parser.add_argument(
         "--backend", choices=BACKENDS, help="the Keras backend (default: KERAS_BACKEND, else Keras' own default)"
@@ -172,11 +177,15 @@ def main() -> int:
         flush=True,
     )
     results: dict[str, dict[str, Any]] = {}
+    seeded: dict[str, list[dict[str, Any]]] = {}  # "label/run" -> one result per seed
     for label in args.layers:
         for run in args.runs:
             policy, offset = RUNS[run]
-            results[f"{label}/{run}"] = train(page, label, centres[label], policy, 7 + offset, args)
-            print(f"{label} {run}: {json.dumps(results[f'{label}/{run}'])}", flush=True)
+            for index in range(args.seeds):
+                result = train(page, label, centres[label], policy, 7 + offset + 100 * index, args)
+                seeded.setdefault(f"{label}/{run}", []).append(result)
+                print(f"{label} {run} seed {index + 1}: {json.dumps(result)}", flush=True)
+            results[f"{label}/{run}"] = seeded[f"{label}/{run}"][0]
     rows = []
     for label in args.layers:
         reference = results.get(f"{label}/float32")
@@ -192,9 +201,34 @@ def main() -> int:
         ["layer", "precision", "best val_accuracy", "vs float32", "last", "not-layer share", "s/epoch", "1st epoch s"],
         rows,
     )
+    if args.seeds > 1 and "float32" in args.runs:
+        print()
+        print_decision(args.layers, [run for run in args.runs if run != "float32"], seeded)
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results}, indent=1))
+        everything = {"args": vars(args) | {"json": str(args.json)}, "results": results, "seeded": seeded}
+        args.json.write_text(json.dumps(everything, indent=1))
     return 0
+
+
+def print_decision(layers: list[str], runs: list[str], seeded: dict[str, list[dict[str, Any]]]) -> None:
+    """Per layer and policy: does its mean best val_accuracy over the seeds reach float32's mean,
+    within float32's own spread (its best seed minus its worst)?"""
+    rows = []
+    for label in layers:
+        reference = [r["best"] for r in seeded[f"{label}/float32"]]
+        spread = max(reference) - min(reference)
+        for run in runs:
+            bests = [r["best"] for r in seeded[f"{label}/{run}"]]
+            gap = float(np.mean(reference)) - float(np.mean(bests))
+            rows.append([
+                label, run, " ".join(f"{b:.4f}" for b in reference), f"{spread:.4f}",
+                " ".join(f"{b:.4f}" for b in bests), f"{gap:+.4f}", "yes" if gap <= spread else "no",
+            ])  # fmt: skip
+    print_table(
+        ["layer", "policy", "float32 best per seed", "float32 spread", "policy best per seed",
+         "float32 mean - policy mean", "within float32's spread"],
+        rows,
+    )  # fmt: skip
 
 
 def device() -> str:

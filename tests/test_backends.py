@@ -230,3 +230,19 @@ def test_jax_shares_each_batch_over_several_devices_and_trains_the_same(tmp_path
     # The same batches and gradients, summed in another order across the devices: float differences only.
     assert found["two"]["val_accuracy"] == pytest.approx(found["one"]["val_accuracy"], abs=1e-3)
     np.testing.assert_allclose(np.load(tmp_path / "two.npy"), np.load(tmp_path / "one.npy"), atol=1e-3)
+
+
+def test_doctor_job_reports_the_backend_and_the_devices_it_sees() -> None:
+    """What ``doctor --job`` runs in the worker's Python on a node, here on JAX with two CPU devices."""
+    from worker.probe import BACKEND_CODE, BACKEND_MARKER, judge_gpus
+
+    done = run_jax(BACKEND_CODE, devices=2, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith(BACKEND_MARKER)]
+    found = json.loads(line[len(BACKEND_MARKER) :])
+    assert found["backend"] == "jax" and found["gpus"] == 0 and len(found["devices"]) == 2, found
+    assert found["version"] == __import__("jax").__version__
+    short = judge_gpus(1, 0, backend="jax", cuda=False)
+    assert short["status"] == "FAIL" and "JAX sees 0 (this JAX is built without CUDA)" in short["found"]
+    assert "hpc-bridge[worker-jax]" in short["fix"]
+    assert "visible to JAX" in judge_gpus(0, 0, backend="jax")["found"]

@@ -30,6 +30,18 @@ CASES = {
     "bench_checkpoint.py": ["case", "step p50 s", "step p95 s", "step max s", "checkpoints", "wall s"],
     "bench_memory.py": ["approach", "peak RSS (GB)", "original (computed) / this"],
     "bench_precision.py": ["layer", "precision", "best val_accuracy", "s/epoch"],
+    "bench_gpu_path.py": [
+        "patch",
+        "batch",
+        "precision",
+        "train_page ms/step",
+        "samples/s",
+        "in-memory ms/step",
+        "train_page / in-memory",
+        "GPU util",
+        "1st epoch s",
+        "best val_accuracy",
+    ],
 }
 #: Scripts whose real path runs the original trainer's TensorFlow 1.14 stack, which CI cannot build
 #: (bench_step.py's --quick leaves that case out, so it is in CASES too).
@@ -49,7 +61,11 @@ TRAINS = {
     "bench_checkpoint.py",
     "bench_memory.py",
     "bench_precision.py",
+    "bench_gpu_path.py",
 }
+#: Environments the quick runs need: bench_gpu_path.py is the script a GPU machine without
+#: TensorFlow runs, so CI runs it on JAX (its CPU wheels), as it will run there.
+ENVIRONMENTS = {"bench_gpu_path.py": {"KERAS_BACKEND": "jax"}}
 SLOW = {"bench_paco.py"}
 TIMEOUT_S = {"bench_paco.py": 900, **{script: 300 for script in TRAINS - {"bench_paco.py"}}}
 
@@ -77,7 +93,7 @@ def _first_table(text: str) -> tuple[list[str], list[list[str]]]:
 
 @pytest.mark.parametrize("script", [pytest.param(s, marks=_marks(s)) for s in sorted(CASES)])
 def test_quick_run_prints_its_table(script: str, request: pytest.FixtureRequest) -> None:
-    env = dict(os.environ)
+    env = {**os.environ, **ENVIRONMENTS.get(script, {})}
     if script in NEEDS_BROKER:
         env["RABBITMQ_URL"] = request.getfixturevalue("broker_url")
     if script in NEEDS_SLURM:
