@@ -100,7 +100,7 @@ class BridgeConfig:
     missing_timeout_s: float = 3600.0
     runs_dir: Path | None = None  # default SPOOL/runs
     save_optimizer: bool = False
-    mixed_precision: str = "off"  # the trainer's precision: off (float32, the original trainer's), float16 or bfloat16
+    mixed_precision: str = "auto"  # the trainer's: auto (bfloat16 on GPUs >= 8.0), off (float32), float16, bfloat16
     warn_seconds: int = 300  # warn a training job this long before its time limit (it checkpoints and continues)
     max_continuations: int = DEFAULT_MAX_CONTINUATIONS  # continuation jobs one request may use (then an error reply)
     node_local_dir: Path | None = None  # checkpoint scratch on the compute node (default $SLURM_TMPDIR/$TMPDIR)
@@ -326,7 +326,7 @@ def _build(raw: Mapping[str, str]) -> tuple[BridgeConfig, _Getter]:
         missing_timeout_s=get.number("HPC_MISSING_TIMEOUT", 3600.0),
         runs_dir=Path(runs_dir).expanduser() if runs_dir else None,
         save_optimizer=get.boolean("HPC_SAVE_OPTIMIZER", False),
-        mixed_precision=get.choice("HPC_MIXED_PRECISION", "off", MIXED_PRECISION_CHOICES),
+        mixed_precision=get.choice("HPC_MIXED_PRECISION", "auto", MIXED_PRECISION_CHOICES),
         warn_seconds=get.integer("HPC_WARN_SECONDS", 300, minimum=0),
         max_continuations=get.integer("HPC_MAX_CONTINUATIONS", DEFAULT_MAX_CONTINUATIONS, minimum=0),
         node_local_dir=Path(node_local).expanduser() if node_local else None,

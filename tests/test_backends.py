@@ -31,7 +31,7 @@ pytestmark = pytest.mark.filterwarnings(  # TensorFlow's variables and NumPy 2, 
 
 REPO = Path(__file__).resolve().parent.parent
 SETTINGS = TrainSettings(
-    epochs=3, max_samples_per_label=60, patch_height=32, patch_width=32, batch_size=8, patience=5, seed=4
+    epochs=2, max_samples_per_label=48, patch_height=32, patch_width=32, batch_size=8, patience=5, seed=4
 )
 
 #: Trains SETTINGS on the striped page in a JAX process without TensorFlow (argv: out dir, JSON
@@ -153,8 +153,8 @@ def test_both_backends_train_the_same_models_from_the_same_start(tmp_path: Path)
     for path in (run / "tensorboard").rglob("events.out.tfevents.*"):
         for event in tf.compat.v1.train.summary_iterator(str(path)):
             tags.update((path.parent.name, value.tag, event.step) for value in event.summary.value)
-    assert {("train", "epoch_loss", step) for step in range(3)} <= tags
-    assert {("validation", "epoch_accuracy", step) for step in range(3)} <= tags
+    assert {("train", "epoch_loss", step) for step in range(2)} <= tags
+    assert {("validation", "epoch_accuracy", step) for step in range(2)} <= tags
 
 
 @pytest.mark.training
@@ -172,7 +172,7 @@ def test_a_run_continues_only_on_the_backend_it_started_on(tmp_path: Path) -> No
         from pathlib import Path
         from tests.pages import striped_page
         from worker.trainer import CheckpointStore, TrainingInputError, TrainSettings, train_page
-        settings = TrainSettings(epochs=3, max_samples_per_label=60, patch_height=32, patch_width=32,
+        settings = TrainSettings(epochs=2, max_samples_per_label=48, patch_height=32, patch_width=32,
                                  batch_size=8, patience=5, seed=4)
         try:
             train_page(striped_page(), settings, Path(sys.argv[1]), checkpoints=CheckpointStore(Path(sys.argv[2])))
@@ -213,7 +213,7 @@ def test_jax_shares_each_batch_over_several_devices_and_trains_the_same(tmp_path
         out = Path(sys.argv[1])
         results = {}
         for name, strategy in (("one", ("cpu:0",)), ("two", ("cpu:0", "cpu:1"))):
-            settings = TrainSettings(epochs=2, max_samples_per_label=40, patch_height=32, patch_width=32,
+            settings = TrainSettings(epochs=1, max_samples_per_label=32, patch_height=32, patch_width=32,
                                      batch_size=8, patience=3, seed=5, strategy=strategy)
             events = []
             paths = train_page(striped_page(), settings, out / name, on_epoch=events.append)

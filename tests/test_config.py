@@ -76,7 +76,7 @@ def test_malformed_settings_are_named(name: str, value: str) -> None:
 
 
 def test_mixed_precision_is_float32_unless_an_operator_opts_in() -> None:
-    assert load_config(environ=BASE).mixed_precision == "off"
+    assert load_config(environ=BASE).mixed_precision == "auto"  # float32 on CPUs and GPUs before compute 8.0
     for value in ("off", "auto", "float16", "bfloat16", "BFloat16"):
         assert load_config(environ={**BASE, "HPC_MIXED_PRECISION": value}).mixed_precision == value.lower()
 

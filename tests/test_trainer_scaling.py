@@ -80,7 +80,7 @@ def run_child(code: str, *args: str, timeout: float = 600, **environ: str) -> di
 
 
 def test_settings_accept_strategies_and_precisions() -> None:
-    assert TrainSettings(**REQUEST).strategy == "auto" and TrainSettings(**REQUEST).mixed_precision == "off"
+    assert TrainSettings(**REQUEST).strategy == "auto" and TrainSettings(**REQUEST).mixed_precision == "auto"
     devices = TrainSettings(**REQUEST, strategy=["/cpu:0"])  # type: ignore[arg-type]  # a list, as a test would pass it
     assert devices.strategy == ("/cpu:0",)
     hash(devices)  # still a frozen, hashable dataclass

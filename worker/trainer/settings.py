@@ -32,7 +32,8 @@ class TrainSettings:
     ``"auto"`` (MirroredStrategy over the GPUs when more than one is visible, else the
     default strategy), ``"mirrored"``, ``"default"``, or a tuple of device names for
     ``MirroredStrategy(devices=...)`` (a list is turned into a tuple). ``mixed_precision``
-    is ``"off"`` (float32, the original trainer's precision, on every device), or the opt-in
+    is ``"auto"`` (bfloat16 on GPUs of compute capability 8.0 and up, float32 elsewhere; the
+    default), ``"off"`` (float32, the original trainer's precision, on every device),
     ``"float16"`` (``mixed_float16``) or ``"bfloat16"`` (``mixed_bfloat16``). See
     :mod:`worker.trainer.distribute`.
     """
@@ -47,7 +48,7 @@ class TrainSettings:
     seed: int | None = None
     include_optimizer: bool = False
     strategy: str | tuple[str, ...] = "auto"
-    mixed_precision: str = "off"
+    mixed_precision: str = "auto"
 
     def __post_init__(self) -> None:
         if self.epochs < 1:
