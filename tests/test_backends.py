@@ -138,7 +138,7 @@ def test_both_backends_train_the_same_models_from_the_same_start(tmp_path: Path)
             np.testing.assert_allclose(mine[name], value, atol=2e-3, err_msg=f"{label} {name}")
         started = hdf5_weights(Path(starting[label]))
         moved = max(float(np.abs(mine[n] - started[n]).max()) for n in started)
-        assert moved > 1e-3  # JAX trained, it did not hand the starting model back
+        assert moved > 1e-4  # JAX trained (Adam moves a weight ~1e-4 a step), it did not hand the start back
 
     jax_models = {f"{label}, trained on JAX": Path(path) for label, path in jax["paths"].items()}
     verdicts = verify(jax_models, striped_page().image, (32, 32))
