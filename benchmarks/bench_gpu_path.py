@@ -41,10 +41,10 @@ sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 
+from benchmarks.bench_precision import LAYERS, load_real_page  # noqa: E402
 from benchmarks.tables import print_table  # noqa: E402
-from bridge.testing.samples import EINSIEDELN_DIR, synthesize_page_from_masks  # noqa: E402
 from worker.gpumon import GpuMonitor  # noqa: E402
-from worker.trainer import CheckpointStore, Page, TrainSettings, load_page, train_page  # noqa: E402
+from worker.trainer import CheckpointStore, Page, TrainSettings, train_page  # noqa: E402
 from worker.trainer._keras import BACKEND, keras  # noqa: E402
 from worker.trainer.dataset import PatchDataset, to_network_batch  # noqa: E402
 from worker.trainer.distribute import dtype_policy, precision_policy  # noqa: E402
@@ -52,8 +52,6 @@ from worker.trainer.model import build_sae, compile_sae  # noqa: E402
 from worker.trainer.rundir import RunDirectory  # noqa: E402
 from worker.trainer.sampling import sample_centres  # noqa: E402
 
-#: The old generation's inputs of synthesize_page_from_masks, by the mask they come from.
-LAYERS = {"Background": "Background", "Neumes": "Music Layer", "StaffLines": "Staff Layer"}
 QUICK: dict[str, Any] = {
     "patch": 32,
     "batch": 8,
@@ -65,13 +63,9 @@ QUICK: dict[str, Any] = {
 }
 
 
-def load_real_page(crop: tuple[int, int, int, int], work: Path, layer: str) -> Page:
-    inputs = synthesize_page_from_masks(EINSIEDELN_DIR, work, crop, generation="old", seed=0, text_layer="empty")
-
-    def file(name: str) -> Path:
-        return work / inputs[name].removeprefix("/uploads/")
-
-    page = load_page(file("Image"), {label: file(name) for label, name in LAYERS.items()}, file("Selected Regions"))
+def layer_page(crop: tuple[int, int, int, int], work: Path, layer: str) -> Page:
+    """bench_precision.py's page (a crop of the Einsiedeln masks), ``layer`` alone."""
+    page = load_real_page(crop, work)
     return Page(image=page.image, masks={layer: page.masks[layer]})
 
 
@@ -157,7 +151,7 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-gpu-path-") as scratch:
         work = Path(scratch)
-        page = load_real_page(tuple(args.crop), work / "page", args.layer)
+        page = layer_page(tuple(args.crop), work / "page", args.layer)
         print(
             f"{device_name()}, Keras {keras.__version__} on {BACKEND}, {datetime.date.today()}; page "
             f"{page.width}x{page.height} ({args.layer}); {args.patch}x{args.patch} patches, batch {args.batch}",

@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
-import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +18,7 @@ import numpy as np
 import pytest
 
 from tests.pages import striped_page
+from tests.support.training import last_json, run_python
 from worker.trainer import CheckpointStore, TrainingInterrupted, TrainSettings, train_page, train_pages
 from worker.trainer.backend import BackendError, choose_backend
 from worker.trainer.train import kept_trained_on
@@ -29,7 +27,6 @@ pytestmark = pytest.mark.filterwarnings(  # TensorFlow's variables and NumPy 2, 
     "ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning"
 )
 
-REPO = Path(__file__).resolve().parent.parent
 SETTINGS = TrainSettings(
     epochs=2, max_samples_per_label=48, patch_height=32, patch_width=32, batch_size=8, patience=5, seed=4
 )
@@ -57,26 +54,8 @@ JAX_TRAINING = """
 
 def run_jax(code: str, *args: str, devices: int = 1, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     """``code`` in a fresh interpreter on Keras' JAX backend, with ``devices`` CPU devices."""
-    env = {
-        **os.environ,
-        "KERAS_BACKEND": "jax",
-        "PYTHONPATH": str(REPO),
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-    }
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code), *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def last_json(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
-    assert done.returncode == 0, done.stderr[-4000:]
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+    xla = f"--xla_force_host_platform_device_count={devices}"
+    return run_python(code, *args, timeout=timeout, KERAS_BACKEND="jax", XLA_FLAGS=xla)
 
 
 def hdf5_weights(path: Path) -> dict[str, np.ndarray[Any, Any]]:

@@ -10,10 +10,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +23,7 @@ import keras
 
 from bridge.config import MIXED_PRECISION_CHOICES as BRIDGE_PRECISIONS
 from tests.pages import striped_page
+from tests.support.training import last_json, run_python
 from worker.trainer import TrainingInputError, TrainSettings, train_page
 from worker.trainer.dataset import PatchDataset
 from worker.trainer.distribute import (
@@ -47,7 +44,6 @@ pytestmark = pytest.mark.filterwarnings(  # TensorFlow's variables and NumPy 2, 
     "ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning"
 )
 
-REPO = Path(__file__).resolve().parent.parent
 PATCH = 32
 
 
@@ -62,18 +58,7 @@ def run_child(code: str, *args: str, timeout: float = 600, **environ: str) -> di
     """Run ``code`` in a fresh interpreter at the repository root; return its last line as JSON.
     ``timeout`` only stops a hung child: on 2 busy cores one took over 240 s in CI, where the
     whole two-child memory test takes about 135 s in a full run here."""
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(REPO), **environ}
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code), *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+    return last_json(run_python(code, *args, timeout=timeout, **environ))
 
 
 # --------------------------------------------------------------------------- settings and choices

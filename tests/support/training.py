@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -44,3 +49,27 @@ def fit_batches(pipeline: Any) -> list[tuple[np.ndarray[Any, Any], ...]]:
 def batch_count(pipeline: Any) -> int:
     """How many batches one pass over ``training_input(...)`` gives, as the backend's own object says."""
     return int(pipeline.cardinality()) if hasattr(pipeline, "cardinality") else int(pipeline.num_batches)
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_python(code: str, *args: str, timeout: float = 600, **environ: str) -> subprocess.CompletedProcess[str]:
+    """``code`` (dedented) in a fresh interpreter at the repository root, with ``environ`` added to
+    this process's environment (TensorFlow's start-up chatter off)."""
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": str(REPO), **environ}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def last_json(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    """The last line a child printed, as JSON, once it exited 0 (else its stderr's tail is the failure)."""
+    assert done.returncode == 0, done.stderr[-4000:]
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result

@@ -791,27 +791,24 @@ def open_journal(
     (``journal.trained_on``), whatever ``settings`` now say.
     """
     trained_on = dict(trained_on or {"backend": BACKEND, "mixed_precision": settings.mixed_precision})
+    journal: Journal
     if checkpoints is None:
-        journal: Journal = NoCheckpoints(settings.seed, _sample(pages, settings, settings.seed))
-        journal.trained_on = trained_on
-        return journal
-    run = pages_identity(pages, settings, starting_models)
-    state = checkpoints.load_latest()
-    if state is None:
+        journal = NoCheckpoints(settings.seed, _sample(pages, settings, settings.seed))
+    elif (state := checkpoints.load_latest()) is None:
+        run = pages_identity(pages, settings, starting_models) | {"trained_on": trained_on}
         # kept in the checkpoints, so that a resumed run continues with it
         seed = settings.seed if settings.seed is not None else secrets.randbits(63)
-        run["trained_on"] = trained_on
         journal = CheckpointJournal(checkpoints, run, seed, _sample(pages, settings, seed), None)
-        journal.trained_on = trained_on
-        return journal
-    check_same_run(state.run, run, checkpoints.directory)
-    run["trained_on"] = kept_trained_on(state.run, trained_on, checkpoints.directory)
-    log.info(
-        "resuming from checkpoint %d: %d of %d layers finished",
-        state.sequence, len(state.finished), len(pages[0].masks),
-    )  # fmt: skip
-    journal = CheckpointJournal(checkpoints, run, state.seed, state.centres, state)
-    journal.trained_on = run["trained_on"]
+    else:
+        run = pages_identity(pages, settings, starting_models)
+        check_same_run(state.run, run, checkpoints.directory)
+        trained_on = run["trained_on"] = kept_trained_on(state.run, trained_on, checkpoints.directory)
+        log.info(
+            "resuming from checkpoint %d: %d of %d layers finished",
+            state.sequence, len(state.finished), len(pages[0].masks),
+        )  # fmt: skip
+        journal = CheckpointJournal(checkpoints, run, state.seed, state.centres, state)
+    journal.trained_on = trained_on
     return journal
 
 
