@@ -6,7 +6,7 @@ named below, in the kind the contracts give it.
 
 Job-side (they also run inside batch jobs: the worker, the chain's links, the probe job; none of
 them imports a login-only module): ``amqp``, ``atomic``, ``chain``, ``continuation_record``,
-``errors``, ``faults``, ``handoff``, ``logs``, ``progress``, ``protocol``, ``replies``,
+``errors``, ``faults``, ``handoff``, ``instance``, ``logs``, ``progress``, ``protocol``, ``replies``,
 ``rodan``, ``schedulers``, ``shell``, ``spool``, ``version``.
 
 Login-only (the bridge's pass or daemon and the operator commands, on the login node): ``__main__``,

@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+import structlog
 
 from bridge import schedulers
 from bridge.config import BridgeConfig, load_config
 from bridge.errors import ConfigError
+from bridge.instance import INSTANCE_ENV, instance_name
 from bridge.logs import configure_logging, register_secret
 from bridge.progress import MODES
 from bridge.version import package_version
+
+log = structlog.get_logger(__name__)
 
 EXAMPLES = """examples:
   hpc-bridge check                      # one pass: what cron's run_check runs
@@ -43,7 +51,16 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "--credentials", type=Path, help="credentials.env (default: $HPC_BRIDGE_CREDENTIALS or ./credentials.env)"
+        "--credentials",
+        type=Path,
+        help="the settings file (default: $HPC_BRIDGE_CREDENTIALS, else the instance's "
+        "~/.config/hpc-bridge/INSTANCE/credentials.env, else ./credentials.env)",
+    )
+    parser.add_argument(
+        "--instance",
+        help="which bridge of this account (default $HPC_BRIDGE_INSTANCE, else 'default'): its settings are "
+        "~/.config/hpc-bridge/INSTANCE/credentials.env, and its units, crontab blocks, spool and own queues "
+        "are its own (docs/operator-guide.md, Several instances)",
     )
     parser.add_argument("--version", action="version", version=f"hpc-bridge {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -53,8 +70,34 @@ def main(argv: list[str] | None = None) -> int:
         add_parsers(sub)
     for command in sub.choices.values():  # `hpc-bridge doctor --credentials F` works as well
         command.add_argument("--credentials", type=Path, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        command.add_argument("--instance", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    try:
+        with chosen_instance(args.instance):
+            return _main(args)
+    except ConfigError as exc:  # an unusable --instance
+        return configuration_error(exc)
 
+
+@contextmanager
+def chosen_instance(name: str | None) -> Iterator[None]:
+    """``--instance NAME`` for this command: it is ``$HPC_BRIDGE_INSTANCE`` while the command runs, so
+    that whatever it starts (a pass, doctor's probe job, run_check) works for the same instance."""
+    if name is None:
+        yield
+        return
+    before = os.environ.get(INSTANCE_ENV)
+    os.environ[INSTANCE_ENV] = instance_name(name)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(INSTANCE_ENV, None)
+        else:
+            os.environ[INSTANCE_ENV] = before
+
+
+def _main(args: argparse.Namespace) -> int:
     if getattr(args, "loads_config", False):  # chain needs no credentials.env, doctor judges it itself
         return int(args.operator(args))
 
@@ -68,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         configure_logging(level=config.log_level, log_file=config.log_file, component="bridge")
     except OSError as exc:
         return configuration_error(ConfigError(f"HPC_LOG_FILE {config.log_file} cannot be written: {exc.strerror}"))
+    for warning in config.warnings:  # harmless, but the operator should hear of it (a newer version's setting)
+        log.warning("config_warning", warning=warning)
 
     return int(args.operator(config, args))
 
@@ -87,13 +132,13 @@ def _add_bridge_parsers(sub: Any) -> None:
     check = sub.add_parser(
         "check",
         help="one pass: drain the request queue, reconcile jobs, publish pending replies, exit",
-        epilog="example: * * * * * /opt/hpc-bridge/deploy/run_check (hpc-bridge install cron writes it)",
+        epilog="example: * * * * * ~/hpc-bridge/.venv/bin/hpc-bridge-run-check (hpc-bridge install cron writes it)",
     )
     check.set_defaults(operator=_run_bridge, once=True)
     daemon = sub.add_parser(
         "run",
         help="run as a daemon (pick up requests within a second, reconcile periodically)",
-        epilog="example: systemctl --user start hpc-bridge",
+        epilog="example: systemctl --user start hpc-bridge@default.service (hpc-bridge install systemd writes it)",
     )
     daemon.set_defaults(operator=_run_bridge, once=False)
 

@@ -6,7 +6,6 @@ malformed setting raises :class:`ConfigError` naming it, at start-up.
 
 from __future__ import annotations
 
-import difflib
 import fnmatch
 import os
 import re
@@ -14,7 +13,7 @@ import shlex
 import stat
 import sys
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TypeVar
 from urllib.parse import quote, unquote, urlsplit
@@ -33,6 +32,7 @@ from bridge.handoff import (
     DEFAULT_RODAN_TIMEOUT_S,
     DEFAULT_SCHEDULER_TIMEOUT_S,
 )
+from bridge.instance import DEFAULT_INSTANCE, INSTANCE_ENV, Instance, instance_name
 from bridge.protocol import without_private
 from bridge.schedulers import (
     DEFAULT_SCHEDULER,
@@ -40,7 +40,8 @@ from bridge.schedulers import (
     all_site_options,
     backend_name,
     choices_text,
-    get_scheduler,
+    option_problems,
+    refused_site_options,
     scheduler_class,
 )
 from bridge.schedulers.base import CONTINUE_BY
@@ -116,6 +117,9 @@ class BridgeConfig:
     status_queue: str = "hpc-bridge.status"  # where the heartbeat/status message goes ("": none)
     status_interval_s: float = 60.0  # how often the daemon publishes it
     credentials_file: Path | None = None
+    instance: str = DEFAULT_INSTANCE  # bridge/instance.py: what this bridge's files, units and own queues are keyed by
+    # What load_config found worth saying but harmless (an unknown name in the file); the CLI logs each.
+    warnings: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def backend(self) -> type[Scheduler]:
@@ -195,6 +199,7 @@ class Settings:
     path: Path | None  # the credentials file read, if any
     file_keys: frozenset[str]  # the names the file set (judged for typos; the environment is not)
     looked: str  # where a credentials file was looked for, in words
+    mode_problem: str = ""  # the file is readable by others (check_private's message); "" when it is not
 
 
 def read_settings(credentials: Path | None = None, environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -202,52 +207,133 @@ def read_settings(credentials: Path | None = None, environ: Mapping[str, str] | 
     return read_sources(credentials, environ).values
 
 
-def read_sources(credentials: Path | None = None, environ: Mapping[str, str] | None = None) -> Settings:
+def read_sources(
+    credentials: Path | None = None, environ: Mapping[str, str] | None = None, instance: str | None = None
+) -> Settings:
+    """The settings of ``instance`` (see bridge/instance.py): the credentials file is ``credentials``,
+    else ``$HPC_BRIDGE_CREDENTIALS``, else the instance's (``~/.config/hpc-bridge/NAME/credentials.env``),
+    else ``./credentials.env`` (an installation from before instances)."""
     env = dict(os.environ if environ is None else environ)
-    from_env = env.get("HPC_BRIDGE_CREDENTIALS", "")
-    path = credentials or (Path(from_env) if from_env else None)
+    chosen = Instance.from_environment(instance, env)
+    path = credentials_path(credentials, env, chosen)
     looked = (
-        "--credentials (not given), $HPC_BRIDGE_CREDENTIALS (not set) and "
-        f"{DEFAULT_CREDENTIALS} in the current directory {Path.cwd()} (absent)"
+        f"--credentials (not given), $HPC_BRIDGE_CREDENTIALS (not set), instance {chosen.name}'s "
+        f"{chosen.credentials} (absent) and {DEFAULT_CREDENTIALS} in the current directory {Path.cwd()} (absent)"
     )
     values: dict[str, str] = {}
-    if path is None and DEFAULT_CREDENTIALS.exists():
-        path = DEFAULT_CREDENTIALS
     file_keys: frozenset[str] = frozenset()
+    mode_problem = ""
     if path is not None:
         if not path.exists():
             raise ConfigError(f"credentials file {path} does not exist")
-        check_private(path)
-        # No ${VAR} expansion: a password may contain any character.
-        from_file = {k: v for k, v in dotenv_values(path, interpolate=False).items() if v is not None}
+        if not path.is_file():  # python-dotenv would read nothing from it, without a word
+            raise ConfigError(f"credentials file {path} is not a file")
+        mode_problem = private_problem(path)  # read all the same: every problem is reported at once
+        try:  # No ${VAR} expansion: a password may contain any character.
+            read = dotenv_values(path, interpolate=False)
+        except OSError as exc:  # a directory, a file of another user's
+            raise ConfigError(f"credentials file {path} cannot be read: {exc.strerror or exc}") from None
+        from_file = {k: v for k, v in read.items() if v is not None}
         values.update(from_file)
         file_keys = frozenset(from_file)
         values["HPC_BRIDGE_CREDENTIALS"] = str(path.resolve())
         looked = str(path)
     values.update({k: v for k, v in env.items() if k.startswith(SETTING_PREFIXES)})
-    return Settings(values, path, file_keys, looked)
+    values[INSTANCE_ENV] = chosen.name  # chosen by --instance or the environment, never by the file
+    return Settings(values, path, file_keys, looked, mode_problem)
+
+
+def credentials_path(credentials: Path | None, environ: Mapping[str, str], instance: Instance) -> Path | None:
+    """The credentials file to read: ``credentials`` (--credentials), else ``$HPC_BRIDGE_CREDENTIALS``,
+    else the instance's when it exists, else ``./credentials.env`` when it exists; None: no file."""
+    if credentials is not None:
+        return credentials
+    if environ.get("HPC_BRIDGE_CREDENTIALS"):
+        return Path(environ["HPC_BRIDGE_CREDENTIALS"])
+    return next((p for p in (instance.credentials, DEFAULT_CREDENTIALS) if p.exists()), None)
 
 
 def check_private(path: Path) -> None:
     """Refuse a credentials file that group or others can read or write."""
+    problem = private_problem(path)
+    if problem:
+        raise ConfigError(problem, setting=CREDENTIALS_SETTING)
+
+
+def private_problem(path: Path) -> str:
+    """What is wrong with the credentials file's mode (it names the file and the fix), or ""."""
     mode = path.stat().st_mode
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ConfigError(
+        return (
             f"credentials file {path} is readable by others (mode {stat.S_IMODE(mode):o}); "
             f"it holds passwords: run 'chmod 600 {path}'"
         )
+    return ""
 
 
-def load_config(credentials: Path | None = None, environ: Mapping[str, str] | None = None) -> BridgeConfig:
-    """The configuration, or one :class:`ConfigError` listing every problem found (not just the first)."""
-    source = read_sources(credentials, environ)
+def load_config(
+    credentials: Path | None = None, environ: Mapping[str, str] | None = None, instance: str | None = None
+) -> BridgeConfig:
+    """The configuration, or one :class:`ConfigError` listing every problem found (not just the first).
+
+    What is worth saying but harmless (a setting of a newer version in the file) is in the
+    configuration's ``warnings``: the caller says them (the CLI logs ``config_warning``)."""
+    report = examine_config(credentials, environ, instance)
+    if report.problems:
+        raise report.error()
+    return report.config
+
+
+@dataclass(frozen=True)
+class ConfigProblem:
+    """One problem of the configuration, and the setting it is about (``""``: no one setting)."""
+
+    setting: str
+    message: str
+
+
+@dataclass(frozen=True)
+class ConfigReport:
+    """Everything ``load_config`` found, for a caller that goes on despite problems (``doctor``)."""
+
+    config: BridgeConfig  # each setting with a problem holds its default here
+    problems: tuple[ConfigProblem, ...]  # in the order they were found
+    source: Settings
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        return self.config.warnings
+
+    def by_setting(self, *, without: Iterable[str] = ()) -> dict[str, list[str]]:
+        """Setting -> its problems (``without``: settings left out, e.g. what another check reports)."""
+        left_out = set(without)
+        found: dict[str, list[str]] = {}
+        for problem in self.problems:
+            if problem.setting not in left_out:
+                found.setdefault(problem.setting, []).append(problem.message)
+        return found
+
+    def error(self, *, without: Iterable[str] = ()) -> ConfigError:
+        """The problems as one :class:`ConfigError` (``without``: as in :meth:`by_setting`)."""
+        left_out = set(without)
+        messages = [p.message for p in self.problems if p.setting not in left_out]
+        if self.source.path is None:
+            messages.append(f"no credentials file was read: looked for {self.source.looked}")
+        return ConfigError.listing(messages, self.by_setting(without=left_out))
+
+
+def examine_config(
+    credentials: Path | None = None, environ: Mapping[str, str] | None = None, instance: str | None = None
+) -> ConfigReport:
+    """The configuration, every problem (by setting) and every warning, without raising for a problem:
+    a setting with a problem holds its default. Raises :class:`ConfigError` only when no settings can
+    be read at all (a credentials file named but absent)."""
+    source = read_sources(credentials, environ, instance)
     config, get = _build(source.values)
-    problems = get.problems + placeholders(source.values) + unknown_keys(source, get.asked)
-    if problems:
-        if source.path is None:
-            problems.append(f"no credentials file was read: looked for {source.looked}")
-        raise ConfigError.listing(problems)
-    return config
+    typos, warnings = unknown_keys(source, get.asked)
+    problems = [ConfigProblem(CREDENTIALS_SETTING, source.mode_problem)] if source.mode_problem else []
+    problems += get.problems + placeholders(source.values) + typos
+    return ConfigReport(replace(config, warnings=tuple(warnings)), tuple(problems), source)
 
 
 def _build(raw: Mapping[str, str]) -> tuple[BridgeConfig, _Getter]:
@@ -263,6 +349,11 @@ def _build(raw: Mapping[str, str]) -> tuple[BridgeConfig, _Getter]:
     rodan_host = get.required("RODAN_HOST")
     if rodan_host and ("/" in rodan_host or not rodan_host.strip()):
         get.problem(f"RODAN_HOST must be host or host:port without a scheme or path, got {rodan_host!r}")
+    try:
+        instance = Instance(instance_name(get.text(INSTANCE_ENV, DEFAULT_INSTANCE)))
+    except ConfigError as exc:
+        get.problem(str(exc), setting=INSTANCE_ENV)
+        instance = Instance()
     scheduler = backend_name(get.text("HPC_SCHEDULER", DEFAULT_SCHEDULER))
     if not scheduler:
         get.problem(f"HPC_SCHEDULER must be {choices_text(quote=True)}, got {raw.get('HPC_SCHEDULER')!r}")
@@ -272,6 +363,10 @@ def _build(raw: Mapping[str, str]) -> tuple[BridgeConfig, _Getter]:
             site_options[option.setting] = get.choice(option.setting, option.default, option.choices)
         else:
             site_options[option.setting] = get.text(option.setting, option.default)
+    if scheduler:  # a value the chosen backend refuses (HPC_SGE_PE with a space, HPC_SLURM_OMIT=--time)
+        for setting, problem in refused_site_options(scheduler, site_options).items():
+            get.problem(problem, setting=setting)
+            site_options[setting] = next(o.default for o in all_site_options() if o.setting == setting)
     node_local = get.text("HPC_NODE_LOCAL_DIR", "")
     worker_python = get.text("HPC_WORKER_PYTHON", sys.executable)
     if not Path(worker_python).is_absolute():
@@ -281,7 +376,7 @@ def _build(raw: Mapping[str, str]) -> tuple[BridgeConfig, _Getter]:
         )
     default_reply: tuple[str, ...] = ("hpc-results", "hpc-results.*")
     reply_patterns = get.parsed("HPC_REPLY_QUEUE", parse_reply_queues, default_reply, ", ".join(default_reply))
-    status_queue = get.text("HPC_STATUS_QUEUE", "hpc-bridge.status")
+    status_queue = get.text("HPC_STATUS_QUEUE", instance.default_status_queue)
     status_queue = "" if status_queue.lower() in {"none", "off"} else status_queue
     if len(status_queue.encode("utf-8")) > 255 or any(c.isspace() or c in "*?[" for c in status_queue):
         get.problem(f"HPC_STATUS_QUEUE must be one queue name (or none), got {status_queue!r}")
@@ -298,8 +393,8 @@ def _build(raw: Mapping[str, str]) -> tuple[BridgeConfig, _Getter]:
         rodan_password=get.required("RODAN_PASSWORD"),
         request_queue=get.text("HPC_REQUEST_QUEUE", "hpc-jobs"),
         reply_queue=reply_patterns[0],
-        dead_letter_queue=get.text("HPC_DEAD_LETTER_QUEUE", "hpc-bridge.dead-letter"),
-        spool_dir=Path(get.text("HPC_SPOOL_DIR", str(Path.home() / "hpc-bridge-spool"))).expanduser(),
+        dead_letter_queue=get.text("HPC_DEAD_LETTER_QUEUE", instance.default_dead_letter_queue),
+        spool_dir=Path(get.text("HPC_SPOOL_DIR", str(instance.default_spool))).expanduser(),
         scheduler=scheduler or DEFAULT_SCHEDULER,
         site_options=site_options,
         gpu_rules=get.parsed("HPC_GPU_RULES", parse_gpu_rules, (GpuRule(0, "gpu:1"),), "gpu:1"),
@@ -342,20 +437,34 @@ def _build(raw: Mapping[str, str]) -> tuple[BridgeConfig, _Getter]:
         status_queue=status_queue,
         status_interval_s=get.number("HPC_STATUS_INTERVAL", 60.0),
         credentials_file=Path(raw["HPC_BRIDGE_CREDENTIALS"]) if raw.get("HPC_BRIDGE_CREDENTIALS") else None,
+        instance=instance.name,
     )
     site_lines = {"HPC_JOB_PROLOGUE": config.job_prologue, "HPC_JOB_DIRECTIVES": "\n".join(config.job_directives)}
     for name, text in site_lines.items():
         if contains_secret(text, config.secrets):
             get.problem(f"{name} contains a password from the credentials: batch scripts must never hold secrets")
-    if scheduler and config.job_directives:  # an option the bridge sets itself is refused now, not per job
-        backend = get_scheduler(config.scheduler, options=config.scheduler_options)
-        for problem in backend.directive_problems(config.job_directives):
+    if contains_secret("\n".join(config.scheduler_args), config.secrets):
+        get.problem(
+            "HPC_SCHEDULER_ARGS contains a password from the credentials: the submit command is seen by every "
+            "user of the login node (ps) and printed by `hpc-bridge script`"
+        )
+    if scheduler:  # an option the bridge sets itself (or cannot leave out) is refused now, not per job
+        for problem in option_problems(
+            config.scheduler,
+            options=config.scheduler_options,
+            scheduler_args=config.scheduler_args,
+            directives=config.job_directives,
+        ):
             get.problem(problem)
     return config, get
 
 
 #: Every prefix of a setting (only these are taken from the environment).
 SETTING_PREFIXES = ("RABBITMQ_", "RODAN_", "HPC_")
+#: A setting's name at the start of a problem's message (the setting the problem is about).
+_SETTING_NAME = re.compile(r"(?:RABBITMQ|RODAN|HPC)_[A-Z0-9_]*[A-Z0-9]")
+#: The setting a problem of the credentials file itself is filed under (its mode).
+CREDENTIALS_SETTING = "HPC_BRIDGE_CREDENTIALS"
 #: Settings read outside ``load_config``'s getters (the broker's alternative names, the file's own path).
 OTHER_KEYS = frozenset(
     {
@@ -367,6 +476,7 @@ OTHER_KEYS = frozenset(
         "RABBITMQ_VHOST",
         "RABBITMQ_TLS",
         "HPC_BRIDGE_CREDENTIALS",
+        INSTANCE_ENV,
     }
 )
 #: Settings an older version read, and what replaced them.
@@ -384,29 +494,70 @@ def known_keys() -> frozenset[str]:
     return frozenset(get.asked) | OTHER_KEYS
 
 
-def placeholders(raw: Mapping[str, str]) -> list[str]:
+def placeholders(raw: Mapping[str, str]) -> list[ConfigProblem]:
     """Values still holding credentials.env.example's CHANGE_ME placeholders."""
     return [
-        f"{name} still holds the placeholder {PLACEHOLDER} from credentials.env.example: set the real value"
+        ConfigProblem(
+            name, f"{name} still holds the placeholder {PLACEHOLDER} from credentials.env.example: set the real value"
+        )
         for name, value in sorted(raw.items())
         if PLACEHOLDER in value
     ]
 
 
-def unknown_keys(source: Settings, asked: set[str]) -> list[str]:
-    """Names in the credentials file that no setting has: typos (HPC_SCHEDULAR) and retired settings."""
+def unknown_keys(source: Settings, asked: set[str]) -> tuple[list[ConfigProblem], list[str]]:
+    """Names in the credentials file that no setting has: ``(problems, warnings)``.
+
+    A name within :data:`TYPO_DISTANCE` edits of a setting is a typo (HPC_SCHEDULAR): a problem,
+    filed under the setting it was meant for (which then holds its default) and saying "did you
+    mean". Any other unknown name only warns: a setting of a newer version (the file outlives a
+    rollback), or a retired one (RETIRED_KEYS, which says what replaced it). Neither is read."""
     known = asked | OTHER_KEYS
-    problems = []
+    problems: list[ConfigProblem] = []
+    warnings: list[str] = []
     for name in sorted(source.file_keys):
         if not name.startswith(SETTING_PREFIXES) or name in known:
             continue
         if name in RETIRED_KEYS:
-            problems.append(f"{name} in {source.looked} is no longer read: {RETIRED_KEYS[name]}")
+            warnings.append(f"{name} in {source.looked} is no longer read (ignored): {RETIRED_KEYS[name]}")
             continue
-        close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75)
-        hint = f" (did you mean {close[0]}?)" if close else ""
-        problems.append(f"{name} in {source.looked} is not a setting{hint}: see credentials.env.example")
-    return problems
+        meant = closest_setting(name, known)
+        if meant:
+            hint = f"is not a setting (did you mean {meant}?): see credentials.env.example"
+            problems.append(ConfigProblem(meant, f"{name} in {source.looked} {hint}"))
+        else:
+            warnings.append(
+                f"{name} in {source.looked} is not a setting of this version (ignored): a newer version's, or "
+                "a mistake; see credentials.env.example"
+            )
+    return problems, warnings
+
+
+#: At most this many slips (a letter missed, added, wrong, or two swapped) turn a setting's name
+#: into a typo of it. Setting names are long (8-30 letters) and share their prefixes, so a name
+#: that differs by more is another name, e.g. a newer version's (HPC_MAX_INPUT_PAGES).
+TYPO_DISTANCE = 2
+
+
+def closest_setting(name: str, known: Iterable[str]) -> str:
+    """The known setting ``name`` is a typo of (the nearest within TYPO_DISTANCE), or ""."""
+    distances = sorted((edit_distance(name, other), other) for other in known)
+    return next((other for distance, other in distances if distance <= TYPO_DISTANCE), "")
+
+
+def edit_distance(a: str, b: str) -> int:
+    """The optimal string alignment distance: insertions, deletions, substitutions and swaps of two
+    neighbouring letters, one each (a Levenshtein distance that counts a swap as one slip)."""
+    rows = [list(range(len(b) + 1))]
+    for i in range(1, len(a) + 1):
+        row = [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            cost = 0 if a[i - 1] == b[j - 1] else 1
+            row[j] = min(rows[-1][j] + 1, row[j - 1] + 1, rows[-1][j - 1] + cost)
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                row[j] = min(row[j], rows[-2][j - 2] + 1)
+        rows.append(row)
+    return rows[-1][-1]
 
 
 #: A secret at least this long is a leak wherever it appears; a shorter one only as a whole value.
@@ -436,7 +587,7 @@ def parse_prologue(text: str) -> str:
 
 
 def parse_directives(text: str) -> tuple[str, ...]:
-    """HPC_JOB_DIRECTIVES: ``--constraint=v100; --qos=high`` or ``-l h_vmem=4G``, one directive per
+    """HPC_JOB_DIRECTIVES: ``--constraint=v100; --nice=10`` or ``-l h_vmem=4G``, one directive per
     entry (entries separated by ``;`` or new lines). Each is written after ``#SBATCH ``/``#$ ``."""
     entries = []
     for entry in (" ".join(e.split()) for e in text.replace("\n", ";").split(";")):
@@ -513,10 +664,15 @@ class _Getter:
     def __init__(self, raw: Mapping[str, str]) -> None:
         self.raw = raw
         self.asked: set[str] = set()
-        self.problems: list[str] = []
+        self.problems: list[ConfigProblem] = []
 
-    def problem(self, message: str) -> None:
-        self.problems.append(message)
+    def problem(self, message: str, *, setting: str = "") -> None:
+        """Note a problem about ``setting``; by default the setting the message starts with (every
+        message names its setting first: "HPC_SCHEDULER must be ..."), else none in particular."""
+        if not setting:
+            named = _SETTING_NAME.match(message)
+            setting = named.group(0) if named else ""
+        self.problems.append(ConfigProblem(setting, message))
 
     def _value(self, name: str) -> str:
         self.asked.add(name)
@@ -527,7 +683,7 @@ class _Getter:
 
     def required(self, name: str) -> str:
         if not self._value(name):
-            self.problem(f"{name} is not set")
+            self.problem(f"{name} is not set", setting=name)
             return ""
         return self.raw[name]
 
@@ -539,7 +695,7 @@ class _Getter:
         try:
             return parse(text or fallback_text)
         except ConfigError as exc:
-            self.problem(str(exc))
+            self.problem(str(exc), setting=exc.setting or name)
             return default
 
     def boolean(self, name: str, default: bool) -> bool:

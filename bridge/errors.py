@@ -14,6 +14,8 @@ dead-letter) only has to look at the type:
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 
 class BridgeError(Exception):
     """Base of every error this project raises on purpose."""
@@ -22,17 +24,35 @@ class BridgeError(Exception):
 class ConfigError(BridgeError):
     """A setting is missing or malformed. The message names the setting.
 
-    ``problems`` lists every problem when there were several (one line each)."""
+    ``problems`` lists every problem when there were several (one line each). ``settings`` maps
+    each setting a problem is about (``HPC_SCHEDULER``) to its problems, so that a caller can tell
+    what still works (``doctor`` runs every check that needs none of them); a problem about no one
+    setting is filed under ``""``. ``setting`` names the one setting of an error raised about one
+    (a parser's), ``""`` when it does not know which."""
 
-    def __init__(self, message: str, problems: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        problems: list[str] | None = None,
+        *,
+        setting: str = "",
+        settings: Mapping[str, Sequence[str]] | None = None,
+    ) -> None:
         super().__init__(message)
         self.problems = problems or [message]
+        self.setting = setting
+        self.settings: dict[str, list[str]] = (
+            {name: list(found) for name, found in settings.items()}
+            if settings is not None
+            else {setting: list(self.problems)}
+        )
 
     @classmethod
-    def listing(cls, problems: list[str]) -> ConfigError:
+    def listing(cls, problems: list[str], settings: Mapping[str, Sequence[str]] | None = None) -> ConfigError:
+        """One error for every problem found (``settings``: the same problems by setting)."""
         if len(problems) == 1:
-            return cls(problems[0])
-        return cls(f"{len(problems)} problems: " + "; ".join(problems), problems)
+            return cls(problems[0], settings=settings)
+        return cls(f"{len(problems)} problems: " + "; ".join(problems), problems, settings=settings)
 
 
 class TransientError(BridgeError):

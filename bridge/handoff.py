@@ -19,6 +19,12 @@ the field existed) the other way round. Either is refused with a message saying 
 worker logs ``params_unreadable`` and exits 3, and the bridge answers the request when the
 job ends (docs/upgrade.md: the bridge and the worker environment are one version).
 
+The probe job of ``hpc-bridge doctor --job`` has a hand-off of its own, in both directions,
+typed and versioned the same way (:data:`PROBE_VERSION`): the login side (bridge/ops/probe.py)
+writes a :class:`ProbeParameters` to the probe file, the node (worker/probe.py) reads it and
+writes its findings as a :class:`ProbeResult`, which the login side reads back. The probe
+folder's file names, the node's check names and the defaults are defined here, once.
+
 This module runs on both sides: it imports nothing of the bridge but the protocol, the
 spool's key and the job spec.
 """
@@ -31,11 +37,13 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from bridge.protocol import Generation, InputRole, RequestSettings
-from bridge.schedulers.base import JobSpec
+from bridge.schedulers.base import CONTINUE_BY, JobSpec
 from bridge.spool import safe_key
 
 #: The layout of the parameter file this code writes and reads (see the module's docstring).
 PARAMETERS_VERSION = 2  # 2: generation 3 ("rodan3"), the inputs' "roles", "reply_part_bytes"
+#: What messages about a parameter file call it.
+PARAMETER_FILE = "parameter file"
 
 #: HPC_MAX_REPLY_BYTES: the largest reply published (RabbitMQ 3.8-3.13 refuse a larger message).
 DEFAULT_MAX_REPLY_BYTES = 128 * 1024 * 1024
@@ -105,7 +113,8 @@ class InputLimits:
 @dataclass(frozen=True, kw_only=True)
 class SchedulerAccess:
     """How the job asks its scheduler to run it again (``job``): the backend, its site options,
-    the batch script and the spec it was rendered from."""
+    the batch script and the spec it was rendered from. The probe job continues itself the same
+    way (``continuation.job`` of the probe file)."""
 
     scheduler: str
     options: Mapping[str, str]
@@ -123,13 +132,13 @@ class SchedulerAccess:
         }
 
     @classmethod
-    def from_json(cls, data: object) -> SchedulerAccess:
-        r = _Reader(data, cls, "job.")
-        spec = _Reader(r.value("spec"), JobSpec, "job.spec.").data
+    def from_json(cls, data: object, *, where: str = "job.", file: str = PARAMETER_FILE) -> SchedulerAccess:
+        r = _Reader(data, cls, where, file)
+        spec = _Reader(r.value("spec"), JobSpec, f"{where}spec.", file).data
         try:
             job_spec = JobSpec.from_json(spec)
         except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"parameter file: field 'job.spec' is not a job spec ({type(exc).__name__})") from None
+            raise ValueError(f"{file}: field '{where}spec' is not a job spec ({type(exc).__name__})") from None
         return cls(
             scheduler=r.text("scheduler"),
             options=r.texts("options"),
@@ -294,6 +303,267 @@ def check_version(data: Mapping[str, Any]) -> None:
     )
 
 
+# --- the probe job (hpc-bridge doctor --job) ----------------------------------------------------
+
+#: The layout of the probe file and of the node's findings (changes as PARAMETERS_VERSION does).
+PROBE_VERSION = 1
+#: What the probe job runs, with the worker's Python: ``python -m worker.probe PROBE_FILE``.
+PROBE_MODULE = "worker.probe"
+#: The probe folder's files (``SPOOL/jobs/doctor-probe-ID/``), named here for both sides.
+PROBE_FILE = "probe.json"  # the login side's ProbeParameters
+PROBE_RESULT_FILE = "result.json"  # the node's ProbeResult, rewritten after every check
+PROBE_TOKEN_FILE = "from-login"  # a random token the login side writes; the node reports what it read
+PROBE_HELD_LOCK_FILE = "held.lock"  # the login side holds a flock on it while it waits
+PROBE_SCRIPT_FILE = "job.sh"  # the batch script (the node continues the job with it)
+#: When the node cannot write its result file, it prints the result after this marker in the job's output.
+PROBE_RESULT_MARKER = "HPC-PROBE-RESULT "
+#: The node's checks, in the order doctor prints them (``node-NAME``); the node runs each once.
+PROBE_CHECKS = ("spool", "lock", "worker", "scratch", "rodan", "broker", "continue")
+#: What a check of doctor's (and of the node's) can say.
+CHECK_STATUSES = ("ok", "FAIL", "warn", "skip")
+#: How long the node may take to import the worker and its Keras backend before node-worker fails.
+DEFAULT_PROBE_IMPORT_TIMEOUT_S = 180.0
+#: Less free node-local scratch than this warns (doctor --min-scratch).
+DEFAULT_PROBE_MIN_SCRATCH_BYTES = 2 * 2**30
+#: The longest the node (and doctor's own Rodan check) waits for Rodan's answer.
+PROBE_RODAN_TIMEOUT_S = 15.0
+#: What messages about the probe's files call them.
+_PROBE_FILE = "probe file"
+_RESULT_FILE = "probe result"
+
+
+@dataclass(frozen=True, kw_only=True)
+class BrokerAddress:
+    """Where the broker listens (``broker``): no user, no password."""
+
+    host: str
+    port: int
+
+    @classmethod
+    def from_json(cls, data: object) -> BrokerAddress:
+        r = _Reader(data, cls, "broker.", _PROBE_FILE)
+        return cls(host=r.text("host"), port=r.integer("port"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProbeContinuation:
+    """How the node continues the probe job, as a training job at its limit does (``continuation``):
+    ``mode`` is the scheduler's way (CONTINUE_BY: ``requeue`` or ``successor``)."""
+
+    mode: str
+    job: SchedulerAccess
+
+    def to_json(self) -> dict[str, Any]:
+        return {"mode": self.mode, "job": self.job.to_json()}
+
+    @classmethod
+    def from_json(cls, data: object) -> ProbeContinuation:
+        r = _Reader(data, cls, "continuation.", _PROBE_FILE)
+        return cls(
+            mode=r.choice("mode", CONTINUE_BY),
+            job=SchedulerAccess.from_json(r.value("job"), where="continuation.job.", file=_PROBE_FILE),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProbeParameters:
+    """The probe file: what the node checks, and nothing secret (Rodan's address, the broker's host
+    and port). ``write_dirs``: label -> a folder the worker writes in from the node."""
+
+    version: int = PROBE_VERSION
+    dir: Path  # the probe folder, beside the probe file
+    write_dirs: Mapping[str, Path]
+    gpus_asked: int
+    gres: str
+    node_local_dir: Path | None  # HPC_NODE_LOCAL_DIR
+    min_scratch_bytes: int = DEFAULT_PROBE_MIN_SCRATCH_BYTES
+    rodan_url: str
+    rodan_timeout_s: float = PROBE_RODAN_TIMEOUT_S
+    broker: BrokerAddress
+    import_timeout_s: float = DEFAULT_PROBE_IMPORT_TIMEOUT_S
+    continuation: ProbeContinuation | None  # None: jobs never continue (continuation_skipped says why)
+    continuation_skipped: str = ""
+
+    def path(self, name: str) -> Path:
+        """A file of the probe folder (``PROBE_RESULT_FILE``, ...)."""
+        return self.dir / name
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "dir": str(self.dir),
+            "write_dirs": {label: str(path) for label, path in self.write_dirs.items()},
+            "gpus_asked": self.gpus_asked,
+            "gres": self.gres,
+            "node_local_dir": str(self.node_local_dir) if self.node_local_dir is not None else None,
+            "min_scratch_bytes": self.min_scratch_bytes,
+            "rodan_url": self.rodan_url,
+            "rodan_timeout_s": self.rodan_timeout_s,
+            "broker": asdict(self.broker),
+            "import_timeout_s": self.import_timeout_s,
+            "continuation": self.continuation.to_json() if self.continuation is not None else None,
+            "continuation_skipped": self.continuation_skipped,
+        }
+
+    @classmethod
+    def from_json(cls, data: object) -> ProbeParameters:
+        """The probe file ``data`` (parsed JSON). Raises ValueError naming what is wrong."""
+        r = _Reader(_probe_version(data, _PROBE_FILE), cls, "", _PROBE_FILE)
+        continuation = r.value("continuation")
+        return cls(
+            version=r.integer("version"),
+            dir=r.path("dir"),
+            write_dirs={label: Path(path) for label, path in r.texts("write_dirs").items()},
+            gpus_asked=r.integer("gpus_asked"),
+            gres=r.text("gres"),
+            node_local_dir=r.optional_path("node_local_dir"),
+            min_scratch_bytes=r.integer("min_scratch_bytes"),
+            rodan_url=r.text("rodan_url"),
+            rodan_timeout_s=r.number("rodan_timeout_s"),
+            broker=BrokerAddress.from_json(r.value("broker")),
+            import_timeout_s=r.number("import_timeout_s"),
+            continuation=ProbeContinuation.from_json(continuation) if continuation is not None else None,
+            continuation_skipped=r.text("continuation_skipped"),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProbeFinding:
+    """What one of the node's checks found: its status (CHECK_STATUSES), what it found, what to fix."""
+
+    status: str
+    found: str
+    fix: str = ""
+
+    @classmethod
+    def from_json(cls, data: object, where: str = "") -> ProbeFinding:
+        r = _Reader(data, cls, where, _RESULT_FILE)
+        return cls(status=r.choice("status", CHECK_STATUSES), found=r.text("found"), fix=r.text("fix"))
+
+
+#: How far the node's request to continue the probe job came (``ProbeContinueState.state``).
+CONTINUE_STATES = ("asking", "refused", "requeued", "submitted")
+
+
+@dataclass(kw_only=True)
+class ProbeContinueState:
+    """The node's request to continue its job (``continuation`` of the result): saved as ``asking``
+    before it asks (a Slurm requeue ends the node's process), then how it ended."""
+
+    mode: str
+    state: str  # one of CONTINUE_STATES
+    job_id: str
+    successor: str = ""  # the job the node submitted (successor mode), which it cancels
+    error: str = ""  # what the scheduler said when it refused
+    cancelled: bool = False
+    cancel_error: str = ""
+
+    @classmethod
+    def from_json(cls, data: object) -> ProbeContinueState:
+        r = _Reader(data, cls, "continuation.", _RESULT_FILE)
+        return cls(
+            mode=r.text("mode"),
+            state=r.choice("state", CONTINUE_STATES),
+            job_id=r.text("job_id"),
+            successor=r.text("successor"),
+            error=r.text("error"),
+            cancelled=r.flag("cancelled"),
+            cancel_error=r.text("cancel_error"),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProbeRerun:
+    """The probe job ran again (requeued, or a successor not cancelled in time): ``reran``."""
+
+    job_id: str
+    restart: str
+    at: float
+
+    @classmethod
+    def from_json(cls, data: object) -> ProbeRerun:
+        r = _Reader(data, cls, "reran.", _RESULT_FILE)
+        return cls(job_id=r.text("job_id"), restart=r.text("restart"), at=r.number("at"))
+
+
+@dataclass(kw_only=True)
+class ProbeResult:
+    """The node's findings (``result.json``), rewritten after every check so that the login side
+    gets what was found even when a later check ends the job. ``checks``: name (PROBE_CHECKS) ->
+    finding, in the order they ran; ``backend``: what the worker check saw of the Keras backend."""
+
+    version: int = PROBE_VERSION
+    host: str
+    job_id: str
+    restart: str
+    python: str
+    started_at: float
+    token: str | None = None  # what the node read in PROBE_TOKEN_FILE (None: it could not)
+    checks: dict[str, ProbeFinding] = field(default_factory=dict)
+    backend: dict[str, Any] | None = None
+    continuation: ProbeContinueState | None = None
+    reran: ProbeRerun | None = None
+    finished: bool = False
+    finished_at: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "host": self.host,
+            "job_id": self.job_id,
+            "restart": self.restart,
+            "python": self.python,
+            "started_at": self.started_at,
+            "token": self.token,
+            "checks": {name: asdict(finding) for name, finding in self.checks.items()},
+            "backend": self.backend,
+            "continuation": asdict(self.continuation) if self.continuation is not None else None,
+            "reran": asdict(self.reran) if self.reran is not None else None,
+            "finished": self.finished,
+            "finished_at": self.finished_at,
+        }
+
+    @classmethod
+    def from_json(cls, data: object) -> ProbeResult:
+        """The node's findings ``data`` (parsed JSON). Raises ValueError naming what is wrong."""
+        r = _Reader(_probe_version(data, _RESULT_FILE), cls, "", _RESULT_FILE)
+        checks = r.value("checks")
+        if not isinstance(checks, Mapping) or not set(checks) <= set(PROBE_CHECKS):
+            raise ValueError(f"{_RESULT_FILE}: field 'checks' must be an object of {_quoted(PROBE_CHECKS)}")
+        continuation, reran, finished_at = r.value("continuation"), r.value("reran"), r.value("finished_at")
+        return cls(
+            version=r.integer("version"),
+            host=r.text("host"),
+            job_id=r.text("job_id"),
+            restart=r.text("restart"),
+            python=r.text("python"),
+            started_at=r.number("started_at"),
+            token=r.optional_text("token"),
+            checks={str(name): ProbeFinding.from_json(f, f"checks.{name}.") for name, f in checks.items()},
+            backend=r.optional_object("backend"),
+            continuation=ProbeContinueState.from_json(continuation) if continuation is not None else None,
+            reran=ProbeRerun.from_json(reran) if reran is not None else None,
+            finished=r.flag("finished"),
+            finished_at=r.number("finished_at") if finished_at is not None else None,
+        )
+
+
+def _probe_version(data: object, file: str) -> Mapping[str, Any]:
+    """``data`` as an object of this code's PROBE_VERSION; else a ValueError saying which side is older."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{file}: must be a JSON object, not {_kind(data)}")
+    version = data.get("version")
+    if version == PROBE_VERSION:
+        return data
+    fix = "install the same hpc-bridge version for the bridge and HPC_WORKER_PYTHON's environment (docs/upgrade.md)"
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise ValueError(f"{file}: field 'version' must be an integer, not {_kind(version)}: {fix}")
+    side = "a newer" if version > PROBE_VERSION else "an older"
+    raise ValueError(
+        f"{file}: version {version}, written by {side} hpc-bridge than this one (version {PROBE_VERSION}): {fix}"
+    )
+
+
 # --- reading, strictly -------------------------------------------------------------------------
 
 
@@ -309,9 +579,10 @@ def _kind(value: object) -> str:
 class _Reader:
     """One JSON object of the file, checked against a dataclass: no field missing, none unknown."""
 
-    def __init__(self, data: object, cls: type, where: str) -> None:
+    def __init__(self, data: object, cls: type, where: str, file: str = PARAMETER_FILE) -> None:
+        self.file = file
         if not isinstance(data, Mapping):
-            raise ValueError(f"parameter file: field {where.rstrip('.')!r} must be an object, not {_kind(data)}")
+            raise ValueError(f"{file}: field {where.rstrip('.')!r} must be an object, not {_kind(data)}")
         names = [f.name for f in fields(cls)]
         problems = []
         missing = [where + name for name in names if name not in data]
@@ -321,12 +592,12 @@ class _Reader:
         if unknown:
             problems.append(f"unknown field{'s' if len(unknown) > 1 else ''} {_quoted(unknown)}")
         if problems:
-            raise ValueError("parameter file: " + "; ".join(problems))
+            raise ValueError(f"{file}: " + "; ".join(problems))
         self.data: Mapping[str, Any] = data
         self.where = where
 
     def _wrong(self, name: str, wanted: str) -> NoReturn:
-        raise ValueError(f"parameter file: field {self.where + name!r} must be {wanted}, not {_kind(self.data[name])}")
+        raise ValueError(f"{self.file}: field {self.where + name!r} must be {wanted}, not {_kind(self.data[name])}")
 
     def value(self, name: str) -> Any:
         return self.data[name]
@@ -371,6 +642,20 @@ class _Reader:
         value = self.data[name]
         if not isinstance(value, Mapping) or not all(isinstance(v, str) for v in value.values()):
             self._wrong(name, "an object of strings")
+        return {str(k): v for k, v in value.items()}
+
+    def choice(self, name: str, choices: Iterable[str]) -> str:
+        value = self.text(name)
+        if value not in choices:
+            raise ValueError(f"{self.file}: field {self.where + name!r} must be one of {_quoted(choices)}")
+        return value
+
+    def optional_object(self, name: str) -> dict[str, Any] | None:
+        value = self.data[name]
+        if value is None:
+            return None
+        if not isinstance(value, Mapping):
+            self._wrong(name, "an object")
         return {str(k): v for k, v in value.items()}
 
 

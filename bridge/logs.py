@@ -106,6 +106,71 @@ def _open_append(path: Path) -> TextIO:
     return handle
 
 
+class ReopeningFile:
+    """``HPC_LOG_FILE``, appended to, and reopened by the first line written after it was rotated.
+
+    Why the file's identity is looked at before each line, rather than a reopen on SIGHUP: the
+    bridge runs both as a daemon and as cron's one-pass ``check``, several of which may be running
+    when logrotate does; a signal would need a pidfile per process and a ``postrotate`` that finds
+    them all (and SIGHUP's default action kills a process that has not installed a handler yet,
+    e.g. one still importing). Comparing the path's device and inode with the open file's (what
+    the standard library's ``WatchedFileHandler`` does) needs nothing from logrotate but a rename
+    (``create``, no ``copytruncate``), and it costs one ``stat`` per line, a few microseconds
+    beside the line's own formatting. A line written between the ``stat`` and logrotate's rename
+    goes to the renamed file: it is in the rotated log, once, never lost (``copytruncate`` lost the
+    lines written between its copy and its truncation). When the path cannot be reopened (its
+    folder gone, no permission), the lines keep going to the open file and the next line tries
+    again: logging never fails because of a rotation.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._handle = _open_append(path)
+        self._identity = self._identity_of(self._handle)
+
+    @staticmethod
+    def _identity_of(handle: TextIO) -> tuple[int, int]:
+        status = os.fstat(handle.fileno())
+        return status.st_dev, status.st_ino
+
+    def _current(self) -> TextIO:
+        """The open file, reopened first when the path now names another file (or none)."""
+        try:
+            status = os.stat(self.path)
+        except OSError:
+            status = None
+        if status is not None and (status.st_dev, status.st_ino) == self._identity:
+            return self._handle
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            handle = self.path.open("a", encoding="utf-8", buffering=1)
+        except OSError:
+            return self._handle  # the line still goes somewhere; the next one tries again
+        with contextlib.suppress(OSError):  # logrotate's "create 0600" made it so already
+            os.chmod(self.path, 0o600)
+        old, self._handle, self._identity = self._handle, handle, self._identity_of(handle)
+        with contextlib.suppress(OSError, ValueError):
+            old.close()
+        return handle
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            return self._current().write(text)
+
+    def flush(self) -> None:
+        with self._lock:
+            self._handle.flush()
+
+    def fileno(self) -> int:
+        with self._lock:
+            return self._handle.fileno()
+
+    def close(self) -> None:
+        with self._lock:
+            self._handle.close()
+
+
 def configure_logging(
     *,
     level: str = "INFO",
@@ -113,7 +178,8 @@ def configure_logging(
     stream: LogStream | None = None,
     component: str = "bridge",
 ) -> None:
-    """JSON lines to ``log_file`` (appended, 0600) or ``stream`` (default stderr).
+    """JSON lines to ``log_file`` (appended, 0600, reopened after logrotate renamed it: see
+    :class:`ReopeningFile`) or ``stream`` (default stderr).
 
     Our own structlog events and every standard-library ``logging`` record (pika, urllib3,
     TensorFlow's and absl's Python loggers, the trainer, ``warnings.warn``) go through the same
@@ -121,7 +187,7 @@ def configure_logging(
     one JSON object per line. Records below ``level`` are dropped; pika's, but for its critical
     ones, below DEBUG.
     """
-    out: Any = _open_append(log_file) if log_file is not None else (stream if stream is not None else sys.stderr)
+    out: Any = ReopeningFile(log_file) if log_file is not None else (stream if stream is not None else sys.stderr)
     _settings.update(level=level, component=component, out=out)
     numeric = logging.getLevelName(level.upper())
     if not isinstance(numeric, int):

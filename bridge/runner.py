@@ -128,7 +128,7 @@ class Bridge:
         hung_work_s: float = HUNG_WORK_S,
     ) -> None:
         self.config = config
-        self.spool = Spool(config.spool_dir).ensure()
+        self.spool = Spool(config.spool_dir).ensure().claim(config.instance)
         self.ledger = Ledger(self.spool)
         self.scheduler = scheduler or get_scheduler(
             config.scheduler,
@@ -317,6 +317,7 @@ class Bridge:
                 outbox=outbox_size(self.spool),
                 reconciliations=self.reconciliations,
                 broker_reconnects=self.broker_reconnects,
+                instance=self.config.instance,
             )
         except OSError as exc:
             log.warning("metrics_write_failed", path=str(self.config.metrics_file), error=str(exc))

@@ -104,6 +104,25 @@ class Spool:
             os.chmod(directory, 0o700 | keep)
         return self
 
+    def claim(self, instance: str) -> Spool:
+        """Mark the spool as ``instance``'s (``SPOOL/instance``), or refuse one another instance owns.
+
+        Two bridges on one spool would answer each other's requests and cancel each other's jobs as
+        lost; the lock alone only takes turns. A spool from before instances is claimed as found.
+        """
+        marker = self.root / "instance"
+        try:
+            owner = marker.read_text().strip()
+        except FileNotFoundError:
+            atomic_write(marker, f"{instance}\n".encode())
+            return self
+        if owner != instance:
+            raise ConfigError(
+                f"the spool {self.root} belongs to instance {owner!r}, not {instance!r}: give this instance "
+                f"a spool of its own (HPC_SPOOL_DIR), or run it as --instance {owner}"
+            )
+        return self
+
     @property
     def ledger_dir(self) -> Path:
         return self.root / "ledger"

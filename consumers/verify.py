@@ -37,7 +37,7 @@ import numpy.typing as npt
 from PIL import Image
 
 from consumers import CONSUMERS, Consumer, run_check
-from worker.trainer._keras import keras
+from worker.trainer import keras
 from worker.trainer.dataset import network_input  # BGR, (255 - v) / 255: what Rodan's classifier feeds
 from worker.trainer.distribute import dtype_policy
 from worker.trainer.model import build_sae, compile_sae

@@ -20,6 +20,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import urllib.parse
 import uuid
 from collections.abc import Callable, Iterator
@@ -29,6 +30,7 @@ from typing import Any
 import pika
 import pytest
 
+from bridge import logs
 from bridge.config import BridgeConfig, load_config
 from bridge.testing.rodan import RodanStandin, User
 from bridge.testing.samples import make_sample_page
@@ -134,6 +136,22 @@ def _environment_restored() -> Iterator[None]:
     if os.environ != saved:
         os.environ.clear()
         os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def _logging_restored() -> Iterator[None]:
+    """A test that runs a command in-process (``bridge.cli.main``) configures the JSON log to its
+    captured standard error, which pytest closes when the test ends; every later test of that worker
+    that logs would then fail with "I/O operation on closed file". Such a log goes back to the
+    process's real standard error."""
+    yield
+    out = logs._settings.get("out")
+    if getattr(out, "closed", False):
+        logs.configure_logging(
+            level=logs._settings.get("level", "INFO"),
+            component=logs._settings.get("component", "bridge"),
+            stream=sys.__stderr__,
+        )
 
 
 def _broker_address() -> tuple[str, int]:

@@ -222,6 +222,6 @@ def test_doctor_job_reports_the_backend_and_the_devices_it_sees() -> None:
     assert found["backend"] == "jax" and found["gpus"] == 0 and len(found["devices"]) == 2, found
     assert found["version"] == __import__("jax").__version__
     short = judge_gpus(1, 0, backend="jax", cuda=False)
-    assert short["status"] == "FAIL" and "JAX sees 0 (this JAX is built without CUDA)" in short["found"]
-    assert "hpc-bridge[worker-jax]" in short["fix"]
-    assert "visible to JAX" in judge_gpus(0, 0, backend="jax")["found"]
+    assert short.status == "FAIL" and "JAX sees 0 (this JAX is built without CUDA)" in short.found
+    assert "hpc-bridge[worker-jax]" in short.fix
+    assert "visible to JAX" in judge_gpus(0, 0, backend="jax").found

@@ -147,16 +147,17 @@ def test_a_reply_whose_queue_never_appears_expires_and_is_counted(env, queues, t
     HPC_REPLY_WAIT has nobody waiting on it. The reply leaves the outbox instead of being tried on
     every pass for ever."""
     metrics = tmp_path / "metrics.prom"
-    environ = {**env, "HPC_REPLY_WAIT": "60", "HPC_METRICS_FILE": str(metrics)}
+    # An hour: the first pass comes long before it, however slow the machine; then an hour passes
+    # (the staging time is moved back, rather than a wait).
+    environ = {**env, "HPC_REPLY_WAIT": "3600", "HPC_METRICS_FILE": str(metrics)}
     spool = Spool(Path(env["HPC_SPOOL_DIR"])).ensure()
     Ledger(spool).save(RequestRecord("lonely", "lonely", queues.reply, state=RequestState.SUBMITTED, job_id="1"))
     staged = ReplyBox(spool).stage("lonely", queues.reply, b'{"error": "x"}', origin="bridge")
     first = run_bridge(environ, "check")
     assert first.returncode == 0, first.stderr[-2000:]
     assert (spool.outbox_dir / "lonely.json").exists(), "kept while it may still be wanted"
-    # A minute passes (the staging time moved back, rather than a wait that a busy machine stretches).
     meta = json.loads(staged.meta_path.read_text())
-    staged.meta_path.write_text(json.dumps({**meta, "staged_at": meta["staged_at"] - 61}))
+    staged.meta_path.write_text(json.dumps({**meta, "staged_at": meta["staged_at"] - 3601}))
     second = run_bridge(environ, "check")
     assert second.returncode == 0, second.stderr[-2000:]
     assert not list(spool.outbox_dir.iterdir())

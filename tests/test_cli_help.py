@@ -28,8 +28,8 @@ def _subcommands(module: str) -> list[str]:
 
 def test_every_bridge_command_is_listed() -> None:
     assert set(_subcommands("bridge")) == {
-        "check", "run", "enqueue", "chain", "status", "doctor", "logs", "requeue-dead", "purge",
-        "prune", "install",
+        "check", "run", "enqueue", "chain", "init", "status", "doctor", "script", "logs", "requeue-dead", "purge",
+        "prune", "install", "uninstall", "upgrade",
     }  # fmt: skip
 
 
@@ -42,6 +42,6 @@ def test_help_has_an_example(program: str, sub: str | None) -> None:
     examples = text[text.lower().index("example") :] if "example" in text.lower() else ""
     assert examples, f"{program} {sub or ''} --help has no example:\n{text}"
     # The example shows the command itself (check/run: the cron and systemd lines that run it).
-    indirect = {("hpc-bridge", "check"): "run_check", ("hpc-bridge", "run"): "systemctl --user start hpc-bridge"}
+    indirect = {("hpc-bridge", "check"): "hpc-bridge-run-check", ("hpc-bridge", "run"): "systemctl --user start"}
     shown = indirect.get((program, sub or ""), f"{program} {sub or ''}")
     assert shown.strip() in examples, f"no '{shown.strip()}' in the examples of {program} {sub or ''}:\n{examples}"

@@ -1,8 +1,12 @@
-"""The deployment files: credentials.env.example, deploy/run_check, cron, systemd, logrotate.
+"""The deployment files: credentials.env.example, run_check, cron, systemd, logrotate.
 
-run_check is run for real, with a cron-like bare environment, against a broker
-that is not there: it must exit with hpc-bridge's status, keep its log private,
-and never let a password out.
+run_check (the package's bridge/ops/run_check.sh) is run for real, with a cron-like
+bare environment, against a broker that is not there: through the
+``hpc-bridge-run-check`` entry point with the new defaults (settings and log under
+~/.config and ~/.local/state, keyed by the instance), and through deploy/run_check,
+the wrapper an installation from a checkout keeps in its crontab (the old
+defaults, inside the checkout). It must exit with hpc-bridge's status, keep its
+log private, and never let a password out.
 """
 
 from __future__ import annotations
@@ -29,14 +33,20 @@ from tests.support.broker import Queues
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "credentials.env.example"
 DEPLOY = REPO / "deploy"
+#: The wrapper for installations from a checkout (their crontab line names it).
 RUN_CHECK = DEPLOY / "run_check"
+#: The script itself, shipped in the package.
+PACKAGED_RUN_CHECK = REPO / "bridge" / "ops" / "run_check.sh"
+#: The package's entry point that runs it (what `hpc-bridge install cron` writes into the crontab).
+ENTRY_POINT = REPO / ".venv" / "bin" / "hpc-bridge-run-check"
 SYSTEMD = DEPLOY / "systemd"
 HPC_BRIDGE = REPO / ".venv" / "bin" / "hpc-bridge"
 
 RODAN_SECRET = "Rodan-Pw-5d8e1c7a40"
 BROKER_SECRET = "Broker-Pw-93b1f4e2c6"
-# Read from the environment by config.py, never from the file: documented in prose only.
-ENV_ONLY = {"HPC_BRIDGE_CREDENTIALS"}
+# Read from the environment (or --credentials, --instance) by config.py, never from the file:
+# documented in prose only.
+ENV_ONLY = {"HPC_BRIDGE_CREDENTIALS", "HPC_BRIDGE_INSTANCE"}
 REQUIRED = {"RABBITMQ_URL", "RODAN_HOST", "RODAN_USER", "RODAN_PASSWORD"}
 ASSIGNMENT = re.compile(r"^(#\s?)?((?:HPC|RODAN|RABBITMQ)_[A-Z0-9_]+)=(.*)$")
 
@@ -155,7 +165,7 @@ def test_example_documents_default_example_and_failure_for_each_setting() -> Non
         assert "When wrong" in block, f"{name}: no word on what happens when it is wrong"
 
 
-# --- deploy/run_check ----------------------------------------------------------------
+# --- run_check: deploy/run_check (the checkout's wrapper) and hpc-bridge-run-check ------------
 
 
 @dataclass
@@ -213,14 +223,28 @@ def _assert_no_secret(*texts: str) -> None:
         assert BROKER_SECRET not in text
 
 
-def test_run_check_is_executable_and_never_traces() -> None:
-    assert os.access(RUN_CHECK, os.X_OK)
-    text = RUN_CHECK.read_text()
-    code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
-    assert not re.search(r"set\s+-[a-zA-Z]*x", code), "run_check must never turn on tracing"
-    assert not re.search(r"\bxtrace\b", code)
-    assert "umask 077" in code
-    assert "check" in code and "--credentials" in code
+@pytest.mark.parametrize("script", [PACKAGED_RUN_CHECK, RUN_CHECK], ids=["run_check.sh", "deploy-wrapper"])
+def test_run_check_is_executable_and_never_traces(script: Path) -> None:
+    assert os.access(script, os.X_OK)
+    text = script.read_text()
+    assert text.startswith("#!/usr/bin/env bash\n")
+    code = [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    assert code[0] == "set +x", "tracing goes off before anything else"
+    joined = "\n".join(code)
+    assert not re.search(r"set\s+-[a-zA-Z]*x", joined), "run_check must never turn on tracing"
+    assert not re.search(r"\bxtrace\b", joined)
+    if script == PACKAGED_RUN_CHECK:
+        assert "umask 077" in joined
+        assert "check" in joined and "--credentials" in joined and "--instance" in joined
+    else:  # the wrapper sets the old defaults and hands over to the packaged script
+        assert joined.endswith('exec bash "$checkout/bridge/ops/run_check.sh" "$@"')
+
+
+def test_the_entry_point_runs_the_packaged_run_check() -> None:
+    from bridge.ops import run_check
+
+    assert run_check.script_path().resolve() == PACKAGED_RUN_CHECK.resolve()
+    assert os.access(ENTRY_POINT, os.X_OK), "hpc-bridge-run-check is not installed in .venv/bin (pip install -e .)"
 
 
 def test_run_check_unreachable_broker_exits_1_with_private_log_and_no_secret(world: CronWorld) -> None:
@@ -255,11 +279,14 @@ def test_run_check_world_readable_credentials_exit_2_and_say_chmod_600(world: Cr
     _assert_no_secret(world.log.read_text(), result.stdout, result.stderr)
 
 
-def test_run_check_under_bash_x_still_traces_nothing(world: CronWorld) -> None:
+@pytest.mark.parametrize("script", [PACKAGED_RUN_CHECK, RUN_CHECK], ids=["run_check.sh", "deploy-wrapper"])
+def test_run_check_under_bash_x_still_traces_nothing(world: CronWorld, script: Path) -> None:
     env = world.env(
         HPC_BRIDGE_HOME=str(REPO), HPC_BRIDGE_CREDENTIALS=str(world.credentials), HPC_BRIDGE_LOG=str(world.log)
     )
-    result = _run(["bash", "-x", str(RUN_CHECK)], env, world.home)
+    if script == PACKAGED_RUN_CHECK:
+        env["HPC_BRIDGE_EXE"] = str(HPC_BRIDGE)  # what hpc-bridge-run-check sets
+    result = _run(["bash", "-x", str(script)], env, world.home)
     assert result.returncode == 1
     traced = [line for line in result.stderr.splitlines() if line.startswith("+")]
     assert traced == ["+ set +x"]
@@ -279,13 +306,22 @@ def test_run_check_exits_0_silently_when_another_bridge_holds_the_lock(world: Cr
     assert "bridge_lock_busy" in [e["event"] for e in _events(world.log)]
 
 
+def _checkout(root: Path) -> Path:
+    """What a checkout holds of run_check: deploy/run_check and the script it runs; its deploy/run_check."""
+    (root / "deploy").mkdir(parents=True)
+    (root / "bridge" / "ops").mkdir(parents=True)
+    shutil.copy2(RUN_CHECK, root / "deploy" / "run_check")
+    shutil.copy2(PACKAGED_RUN_CHECK, root / "bridge" / "ops" / "run_check.sh")
+    return root / "deploy" / "run_check"
+
+
 @pytest.fixture
 def install(tmp_path: Path, world: CronWorld) -> Iterator[Path]:
-    """An install elsewhere: HOME/hpc-bridge/{deploy/run_check, .venv/bin/hpc-bridge, credentials.env}."""
+    """An install from a checkout (the older guide's): HOME/hpc-bridge/{deploy/run_check,
+    bridge/ops/run_check.sh, .venv/bin/hpc-bridge, credentials.env}."""
     root = world.home / "hpc-bridge"
-    (root / "deploy").mkdir(parents=True)
+    _checkout(root)
     (root / ".venv" / "bin").mkdir(parents=True)
-    shutil.copy2(RUN_CHECK, root / "deploy" / "run_check")
     (root / ".venv" / "bin" / "hpc-bridge").symlink_to(HPC_BRIDGE)
     shutil.copy2(world.credentials, root / "credentials.env")
     yield root
@@ -332,11 +368,12 @@ def test_run_check_without_hpc_bridge_exits_127(world: CronWorld, tmp_path: Path
     assert "hpc-bridge not found" in result.stderr
 
 
-def test_run_check_passes_bash_n_and_shellcheck() -> None:
-    assert subprocess.run(["bash", "-n", str(RUN_CHECK)], capture_output=True).returncode == 0
+@pytest.mark.parametrize("script", [PACKAGED_RUN_CHECK, RUN_CHECK], ids=["run_check.sh", "deploy-wrapper"])
+def test_run_check_passes_bash_n_and_shellcheck(script: Path) -> None:
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     if shutil.which("shellcheck") is None:
         pytest.skip("shellcheck is not installed (bash -n passed)")
-    result = subprocess.run(["shellcheck", str(RUN_CHECK)], capture_output=True, text=True)
+    result = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout
 
 
@@ -445,25 +482,103 @@ def test_run_check_lock_busy_says_nothing_and_keeps_the_state(world: CronWorld) 
 
 def test_run_check_leaves_at_once_while_the_previous_one_runs(world: CronWorld) -> None:
     world.log.parent.mkdir(mode=0o700)
-    with world.log.open("a") as held:
+    with world.log.with_suffix(".lock").open("a") as held:
         fcntl.flock(held.fileno(), fcntl.LOCK_EX)  # what a running run_check holds
         result = _run_check(world)
     assert result.returncode == 0 and result.stdout == "" and result.stderr == ""
     assert [e["event"] for e in _events(world.log)] == ["run_check_busy"]
     assert not world.log.with_suffix(".state").exists()
+    # The lock is not the log: logrotate renames the log, and a run while it does must still be alone.
+    world.log.rename(world.log.with_suffix(".log.1"))
+    with world.log.with_suffix(".lock").open("a") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        again = _run_check(world)
+    assert again.returncode == 0 and [e["event"] for e in _events(world.log)] == ["run_check_busy"]
 
 
 def test_run_check_runs_the_hpc_bridge_named_by_hpc_bridge_exe(world: CronWorld, tmp_path: Path) -> None:
     empty = tmp_path / "empty-install"
-    (empty / "deploy").mkdir(parents=True)
-    shutil.copy2(RUN_CHECK, empty / "deploy" / "run_check")
+    wrapper = _checkout(empty)  # no .venv
     env = world.env(HPC_BRIDGE_CREDENTIALS=str(world.credentials), HPC_BRIDGE_EXE=str(HPC_BRIDGE))
-    result = _run([str(empty / "deploy" / "run_check")], env, world.home)
+    result = _run([str(wrapper)], env, world.home)
     assert result.returncode == 1  # hpc-bridge ran: the broker is unreachable
     assert "broker_unavailable" in (empty / "logs" / "run_check.log").read_text()
     env["HPC_BRIDGE_EXE"] = str(tmp_path / "nothing-here")
-    missing = _run([str(empty / "deploy" / "run_check")], env, world.home)
+    missing = _run([str(wrapper)], env, world.home)
     assert missing.returncode == 127 and "HPC_BRIDGE_EXE" in missing.stderr
+
+
+# --- hpc-bridge-run-check: an installation without a checkout ------------------------------
+
+
+def _instance_settings(world: CronWorld, instance: str, spool: str) -> Path:
+    """world's settings as ~/.config/hpc-bridge/INSTANCE/credentials.env (where run_check looks), with
+    HPC_SPOOL_DIR=spool."""
+    settings = world.home / ".config" / "hpc-bridge" / instance
+    settings.mkdir(parents=True)
+    text = world.credentials.read_text().replace(f"HPC_SPOOL_DIR={world.spool}", f"HPC_SPOOL_DIR={spool}")
+    return _private_copy(settings, text)
+
+
+def test_the_entry_point_runs_one_pass_with_the_new_defaults(world: CronWorld, tmp_path: Path) -> None:
+    # A relative spool: relative to the credentials file's folder, where the pass runs.
+    credentials = _instance_settings(world, "default", "spool")
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    # cron's bare environment: no hpc-bridge on PATH, no HPC_BRIDGE_* variable; the entry point
+    # finds the hpc-bridge beside it, the settings and the log where the instance keeps them.
+    result = _run([str(ENTRY_POINT)], world.env(), elsewhere)
+    assert result.returncode == 1, result.stderr
+    log = world.home / ".local" / "state" / "hpc-bridge" / "default" / "run_check.log"
+    assert stat.S_IMODE(log.stat().st_mode) == 0o600
+    assert stat.S_IMODE(log.parent.stat().st_mode) == 0o700
+    events = _events(log)
+    names = [e["event"] for e in events]
+    assert names[0] == "run_check_start" and names[-1] == "run_check_done"
+    assert "broker_unavailable" in names and events[-1]["exit_status"] == 1
+    assert log.with_name("run_check.state").is_file()
+    assert (credentials.parent / "spool").is_dir() and not (elsewhere / "spool").exists()
+    # cron mails what it prints: the failure, once.
+    assert result.stdout == ""
+    assert "exit status 1" in result.stderr and "broker_unavailable" in result.stderr
+    again = _run([str(ENTRY_POINT)], world.env(), elsewhere)
+    assert again.returncode == 1 and again.stdout == "" and again.stderr == ""
+    assert [e["event"] for e in _events(log)].count("run_check_done") == 2
+    assert not world.log.exists()
+    _assert_no_secret(log.read_text(), result.stdout, result.stderr)
+
+
+def test_the_entry_point_keeps_instances_apart_with_their_own_site_env(world: CronWorld) -> None:
+    for name in ("default", "sge"):
+        settings = _instance_settings(world, name, str(world.spool.with_name(f"spool-{name}"))).parent
+        site = settings / "site-env.sh"
+        site.write_text(f'echo "site env of {name}"\n')
+        site.chmod(0o644)
+    state = world.home / ".local" / "state" / "hpc-bridge"
+    sge_log = state / "sge" / "run_check.log"
+
+    by_option = _run([str(ENTRY_POINT), "--instance", "sge"], world.env(), world.home)
+    assert by_option.returncode == 1, by_option.stderr
+    text = sge_log.read_text()
+    assert "site env of sge" in text and "site env of default" not in text
+    assert '"event": "broker_unavailable"' in text
+    assert world.spool.with_name("spool-sge").is_dir() and not world.spool.with_name("spool-default").exists()
+    assert not (state / "default").exists()
+
+    by_env = _run([str(ENTRY_POINT)], world.env(HPC_BRIDGE_INSTANCE="sge"), world.home)
+    assert by_env.returncode == 1, by_env.stderr
+    assert [e["event"] for e in _events(sge_log)].count("run_check_done") == 2
+    assert not (state / "default").exists()
+
+    default = _run([str(ENTRY_POINT)], world.env(), world.home)
+    assert default.returncode == 1, default.stderr
+    assert "site env of default" in (state / "default" / "run_check.log").read_text()
+    assert world.spool.with_name("spool-default").is_dir()
+
+    refused = _run([str(ENTRY_POINT), "--instance", "../x"], world.env(), world.home)
+    assert refused.returncode == 2 and "not an instance name" in refused.stderr
+    assert sorted(p.name for p in state.iterdir()) == ["default", "sge"]
+    _assert_no_secret(sge_log.read_text(), by_option.stderr, default.stderr)
 
 
 # --- one schedule everywhere ------------------------------------------------------------------

@@ -258,12 +258,59 @@ def test_world_readable_credentials(tmp_path: Path, deployment: dict[str, str]) 
     assert RODAN_PASSWORD not in output
 
 
-def test_invalid_setting_skips_what_needs_it(tmp_path: Path, deployment: dict[str, str]) -> None:
-    rc, _, checks = doctor(tmp_path, dict(deployment, HPC_SCHEDULER="pbs"), "--json")
+def test_world_readable_credentials_and_a_bad_setting(tmp_path: Path, deployment: dict[str, str]) -> None:
+    """The file was given and is read: no line may say it was not ("--credentials (not given)")."""
+    settings = dict(deployment, HPC_DRAIN_BATCH="0")
+    rc, output, checks = doctor(tmp_path, settings, "--json", "--skip-worker", mode=0o644)
+    credentials = tmp_path / "credentials.env"
     assert rc == 1
-    assert checks["settings"]["status"] == "FAIL" and "HPC_SCHEDULER" in checks["settings"]["found"]
-    assert checks["broker"]["status"] == "skip" and "did not load" in checks["broker"]["found"]
-    assert checks["worker"]["status"] == "skip"
+    assert checks["credentials"]["status"] == "FAIL" and str(credentials) in checks["credentials"]["found"]
+    assert checks["credentials"]["fix"] == f"chmod 600 {credentials}"
+    assert checks["settings"]["status"] == "FAIL"
+    assert checks["settings"]["found"] == "HPC_DRAIN_BATCH must be at least 1, got 0"  # the mode is credentials'
+    assert "not given" not in output and "no credentials file was read" not in output
+    assert checks["broker"]["status"] == "ok" and checks["template"]["status"] == "ok"
+
+
+SCHEDULER_NEEDS = ["scheduler-commands", "scheduler", "scheduler-accounting", "template"]
+
+
+def test_invalid_setting_skips_only_what_needs_it(tmp_path: Path, deployment: dict[str, str], queues: Queues) -> None:
+    rc, _, checks = doctor(tmp_path, dict(deployment, HPC_SCHEDULER="pbs"), "--json", "--skip-worker")
+    assert rc == 1
+    assert checks["settings"]["status"] == "FAIL" and "HPC_SCHEDULER must be" in checks["settings"]["found"]
+    for name in SCHEDULER_NEEDS:
+        assert checks[name]["status"] == "skip", checks[name]
+        assert checks[name]["found"] == "skipped: HPC_SCHEDULER has a problem (see settings)"
+    # What needs no scheduler setting still runs, and passes.
+    for name in ("credentials", "broker", f"queue {queues.request}", "rodan", "spool", "spool-lock"):
+        assert checks[name]["status"] == "ok", checks[name]
+
+
+def test_a_typo_skips_the_checks_of_the_setting_it_was_meant_for(tmp_path: Path, deployment: dict[str, str]) -> None:
+    """HPC_SCHEDULAR=gridengine: the bridge would run on Slurm, the default. The scheduler's checks
+    would judge the wrong scheduler, so they are skipped; the broker's, Rodan's and the spool's run."""
+    rc, output, checks = doctor(tmp_path, dict(deployment, HPC_SCHEDULAR="gridengine"), "--skip-worker")
+    assert rc == 1
+    (settings,) = [ln for ln in lines(output, "FAIL") if ln.startswith("FAIL settings:")]
+    assert "HPC_SCHEDULAR in" in settings and "did you mean HPC_SCHEDULER?" in settings
+    for name in SCHEDULER_NEEDS:
+        assert f"skip {name}: skipped: HPC_SCHEDULER has a problem (see settings)" in output.splitlines()
+    for name in ("broker", "rodan", "spool", "spool-lock"):
+        assert any(ln.startswith(f"ok   {name}: ") for ln in output.splitlines()), name
+    assert "skip worker: skipped: --skip-worker" in output.splitlines()
+
+
+def test_a_newer_versions_setting_is_a_warning_line(tmp_path: Path, deployment: dict[str, str]) -> None:
+    settings = dict(deployment, HPC_TENSORBOARD_UPLOAD="yes", HPC_MAX_ATTEMPTS="3")
+    rc, _, checks = doctor(tmp_path, settings, "--json", "--skip-worker")
+    assert rc == 0, checks  # warnings do not fail
+    assert checks["settings"]["status"] == "ok"
+    warning = checks["settings-warnings"]
+    assert warning["status"] == "warn" and "HPC_TENSORBOARD_UPLOAD" in warning["found"]
+    assert "not a setting of this version" in warning["found"] and "HPC_DEFER_LIMIT" in warning["found"]
+    # Nothing else is the matter: the spool lies under /tmp in tests (node-local: a warning too).
+    assert [name for name, c in checks.items() if c["status"] == "warn"] == ["settings-warnings", "spool-shared"]
 
 
 def test_broker_over_tls(tmp_path: Path, deployment: dict[str, str], request: pytest.FixtureRequest) -> None:

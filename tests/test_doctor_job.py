@@ -10,10 +10,10 @@ never leaves the queue, and one whose interpreter does not run the probe at all.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
-import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 
 from bridge.config import BridgeConfig, load_config
-from bridge.ops.probe import NODE_CHECKS, Outcome, ProbeOptions, broker_address, judge, run_probe
+from bridge.handoff import PROBE_CHECKS, PROBE_FILE, ProbeContinueState, ProbeFinding, ProbeParameters, ProbeResult
+from bridge.ops.probe import Outcome, ProbeOptions, broker_address, judge, run_probe
 from bridge.schedulers import JobInfo, JobState
 from bridge.testing.rodan import RodanStandin
 from tests.support.bridge import RODAN_PASSWORD, bridge_environ, run_bridge
@@ -33,7 +34,7 @@ from worker.probe import judge_gpus, scratch_candidates
 
 pytestmark = [pytest.mark.broker]
 
-PROBE_LINES = ["probe-job", *(f"node-{name}" for name in NODE_CHECKS)]
+PROBE_LINES = ["probe-job", *(f"node-{name}" for name in PROBE_CHECKS)]
 
 
 def closed_port() -> int:
@@ -41,15 +42,6 @@ def closed_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def job_active(cluster: Cluster, job_id: str) -> bool:
-    """Whether the scheduler still holds the job (pending, held, running)."""
-    if cluster.name == "slurm":
-        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True).stdout
-        return out.strip() in {"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED"}
-    out = subprocess.run(["qstat", "-u", "*"], capture_output=True, text=True).stdout
-    return any(line.split()[:1] == [job_id] for line in out.splitlines())
 
 
 def job_id_of(found: str) -> str:
@@ -84,15 +76,15 @@ def rodan_https(standin: RodanStandin, tmp_path: Path) -> Iterator[tuple[str, Pa
 
 
 def test_gpus_asked_and_seen() -> None:
-    assert judge_gpus(0, 0)["status"] == "ok"
-    assert judge_gpus(2, 2, gres="gpu:2")["status"] == "ok"
+    assert judge_gpus(0, 0).status == "ok"
+    assert judge_gpus(2, 2, gres="gpu:2").status == "ok"
     short = judge_gpus(2, 1, gres="gpu:v100:2", visible="0,1", cuda=True)
-    assert short["status"] == "FAIL"
-    assert "asked for 2 GPU(s) (gpu:v100:2)" in short["found"] and "TensorFlow sees 1" in short["found"]
-    assert "CUDA_VISIBLE_DEVICES=0,1" in short["found"] and "HPC_JOB_PROLOGUE" in short["fix"]
-    assert "built without CUDA" in judge_gpus(1, 0, cuda=False)["found"]
+    assert short.status == "FAIL"
+    assert "asked for 2 GPU(s) (gpu:v100:2)" in short.found and "TensorFlow sees 1" in short.found
+    assert "CUDA_VISIBLE_DEVICES=0,1" in short.found and "HPC_JOB_PROLOGUE" in short.fix
+    assert "built without CUDA" in judge_gpus(1, 0, cuda=False).found
     extra = judge_gpus(1, 4)
-    assert extra["status"] == "warn" and "ConstrainDevices" in extra["fix"]
+    assert extra.status == "warn" and "ConstrainDevices" in extra.fix
 
 
 def test_scratch_follows_the_worker_order() -> None:
@@ -113,13 +105,12 @@ def test_broker_address_carries_no_credentials() -> None:
 
 def test_a_requeue_that_ended_the_node_process_still_counts() -> None:
     """Slurm may kill the node's process before it writes that the requeue was accepted."""
-    result = {
-        "host": "n1",
-        "token": "t",
-        "checks": {n: {"status": "ok", "found": n, "fix": ""} for n in NODE_CHECKS if n != "continue"},
-        "continue": {"mode": "requeue", "state": "asking", "job_id": "7"},
-        "finished": False,
-    }
+    result = ProbeResult(
+        host="n1", job_id="7", restart="0", python="python3", started_at=0.0, token="t",
+        checks={n: ProbeFinding(status="ok", found=n) for n in PROBE_CHECKS if n != "continue"},
+        continuation=ProbeContinueState(mode="requeue", state="asking", job_id="7"),
+    )  # fmt: skip
+    assert ProbeResult.from_json(json.loads(json.dumps(result.to_json()))) == result  # as the file carries it
     info = JobInfo("7", JobState.PENDING, "PENDING", reason="BeginTime")
     requeued = by_name(judge(Outcome("7", result, info, requeued=True), "t", "Slurm", None))
     assert requeued["node-continue"].status == "ok" and "back in the queue" in requeued["node-continue"].found
@@ -167,10 +158,10 @@ def test_doctor_job_passes(
     # Nothing left behind: the probe folder is gone, and neither the probe job nor a successor waits.
     assert list((tmp_path / "spool" / "jobs").iterdir()) == []
     job_id = job_id_of(checks["probe-job"]["found"])
-    assert not job_active(cluster, job_id)
+    assert not cluster.is_active(job_id)
     if cluster.name == "gridengine":
         successor = job_id_of(continued)
-        assert successor != job_id and not job_active(cluster, successor)
+        assert successor != job_id and not cluster.is_active(successor)
 
 
 # --- broken on purpose -------------------------------------------------------------------------
@@ -186,8 +177,10 @@ def test_probe_failures_on_slurm(slurm: None, probe_config: Callable[..., Bridge
         RABBITMQ_URL=f"amqp://guest:guest@127.0.0.1:{closed_port()}/%2F",
         HPC_RUNS_DIR=str(not_a_dir),
         HPC_GPU_RULES="gpu:1",  # the dev cluster's GPUs are fake devices: TensorFlow sees none
-        HPC_SCHEDULER_ARGS="--no-requeue",  # sbatch's option overrides the script's --requeue
     )
+    # sbatch's option overrides the script's --requeue, as a site's policy that strips it would. The
+    # configuration refuses it in HPC_SCHEDULER_ARGS (the bridge sets --requeue itself): given here.
+    config = dataclasses.replace(config, scheduler_args=("--no-requeue",))
     checks = by_name(run_probe(config, ProbeOptions(timeout_s=240, min_scratch_bytes=1 << 60), say=lambda _: None))
     assert checks["probe-job"].status == "ok", checks["probe-job"]
     assert "is kept: " in checks["probe-job"].found
@@ -236,7 +229,7 @@ def test_slurm_successor_mode_submits_from_the_node(
     cont = checks["node-continue"]
     assert cont.status == "ok" and "submitted from the node, held on job" in cont.found, cont
     probe_job, successor = job_id_of(checks["probe-job"].found), job_id_of(cont.found)
-    assert successor != probe_job and not job_active(Cluster("slurm"), successor)
+    assert successor != probe_job and not Cluster("slurm").is_active(successor)
     (folder,) = (tmp_path / "spool" / "jobs").iterdir()
     assert "#SBATCH --requeue" not in (folder / "job.sh").read_text()
     assert f"--dependency=afterany:{probe_job}" in (folder / f"job-after-{probe_job}.sh").read_text()
@@ -279,8 +272,8 @@ def test_probe_that_never_starts_is_cancelled(cluster: Cluster, probe_config: Ca
         assert any("pending: JobHeldUser" in line for line in said)
     else:
         assert "(hqw)" in first.found or "hold" in first.found, first
-    assert all(checks[f"node-{n}"].status == "skip" for n in NODE_CHECKS)
-    assert not job_active(cluster, job_id_of(first.found))
+    assert all(checks[f"node-{n}"].status == "skip" for n in PROBE_CHECKS)
+    assert not cluster.is_active(job_id_of(first.found))
 
 
 @pytest.mark.slurm
@@ -291,7 +284,7 @@ def test_probe_that_cannot_run_says_so(slurm: None, probe_config: Callable[..., 
     assert first.status == "FAIL" and "without leaving its findings in the spool" in first.found, first
     assert "hpc-bridge job rodan-doctor-probe-" in first.found  # the tail of the job's output
     assert "HPC_WORKER_PYTHON" in first.fix
-    assert all(checks[f"node-{n}"].status == "skip" for n in NODE_CHECKS)
+    assert all(checks[f"node-{n}"].status == "skip" for n in PROBE_CHECKS)
 
 
 def test_no_secret_reaches_the_probe_folder(
@@ -304,7 +297,8 @@ def test_no_secret_reaches_the_probe_folder(
     for path in folder.iterdir():
         text = path.read_text(errors="replace")
         assert RODAN_PASSWORD not in text and "guest:guest" not in text, path
-    params = json.loads((folder / "probe.json").read_text())
+    params = ProbeParameters.from_json(json.loads((folder / PROBE_FILE).read_text()))  # the typed hand-off
     host, port = broker_address(config.broker_url)
-    assert params["broker"] == {"host": host, "port": port}
-    assert os.stat(folder / "probe.json").st_mode & 0o077 == 0
+    assert (params.broker.host, params.broker.port) == (host, port)
+    assert params.dir == folder and params.continuation is not None and params.continuation.mode == "requeue"
+    assert os.stat(folder / PROBE_FILE).st_mode & 0o077 == 0

@@ -208,40 +208,11 @@ class CrashRun:
 
 def jobs_by_name(cluster: Cluster, names: list[str]) -> dict[str, list[str]]:
     """Every job (live or accounted) of each name, from the scheduler itself."""
-    if cluster.name != "slurm":
-        return {name: cluster.jobs_named(name) for name in names}
-    wanted = set(names)
-    found: dict[str, set[str]] = defaultdict(set)
-    for start in range(0, len(names), 50):
-        chunk = ",".join(names[start : start + 50])
-        live = subprocess.run(
-            ["squeue", "-h", "-t", "all", "--name", chunk, "-o", "%j|%i"], capture_output=True, text=True, timeout=60
-        ).stdout
-        acct = subprocess.run(
-            ["sacct", "-a", "-n", "-X", "-P", "--name", chunk, "-S", "now-1days", "-o", "JobName,JobIDRaw"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        ).stdout
-        for line in (*live.splitlines(), *acct.splitlines()):
-            name, _, job_id = line.strip().partition("|")
-            if name in wanted and job_id:
-                found[name].add(job_id)
-    return {name: sorted(found.get(name, set()), key=int) for name in names}
+    return cluster.jobs_by_name(names)
 
 
 def no_live_jobs(cluster: Cluster, names: list[str]) -> bool:
-    if cluster.name == "slurm":
-        live = subprocess.run(["squeue", "-h", "-o", "%j"], capture_output=True, text=True, timeout=60).stdout.split()
-        return not set(live) & set(names)
-    from tests.support.cluster import sge_live
-
-    live_names: set[str] = set()
-    if names:
-        for name in names:
-            if sge_live(name):
-                live_names.add(name)
-    return not live_names
+    return not cluster.live_names() & set(names)
 
 
 @pytest.fixture(

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import os
+import signal
 import sys
 import threading
 import time
@@ -16,6 +18,7 @@ import pytest
 import structlog
 from structlog.testing import capture_logs
 
+from worker import gpumon
 from worker.gpumon import CSV_COLUMNS, SMI_FIELDS, GpuMonitor, parse_smi_line
 
 MIB = 1024 * 1024
@@ -252,22 +255,30 @@ def test_stop_interrupts_a_hanging_nvidia_smi(tmp_path: Path, no_smi: None, monk
     put_first_on_path(monkeypatch, tmp_path / "bin")
     marker = tmp_path / "called"
     hanging = tmp_path / "hanging"  # written by the hanging call: its pid, once it is inside the hang
+    # The hang outlasts both nvidia-smi's own time limit and stop's wait for the thread, so that a
+    # stop which does not interrupt the query leaves the thread running and nvidia-smi alive: the
+    # outcome says whether it was interrupted, not a stopwatch (a busy machine only takes longer).
+    monkeypatch.setattr(gpumon, "SMI_TIMEOUT_S", 3600.0)
     fake_smi(  # the first call answers, the next hang
         tmp_path / "bin",
-        f'if [ -e "{marker}" ]; then echo $$ > "{hanging}.tmp" && mv "{hanging}.tmp" "{hanging}"; exec sleep 30; fi\n'
+        f'if [ -e "{marker}" ]; then echo $$ > "{hanging}.tmp" && mv "{hanging}.tmp" "{hanging}"; exec sleep 600; fi\n'
         f'touch "{marker}"\n'
         'echo "0, GPU-aaaa, A, 40, 1000, 8000, 1, 50"\n',
     )
-    with capture_logs(processors=[without_command_trace]) as logs:
-        monitor = GpuMonitor(tmp_path / "gpu.csv", interval_s=0.05).start()
-        wait_for(hanging.exists)  # the thread now waits on the hanging nvidia-smi
-        pid = int(hanging.read_text())
-        started = time.monotonic()
-        monitor.stop()
-        assert time.monotonic() - started < 1.0
-    assert not monitor.running
-    with pytest.raises(ProcessLookupError):  # the hanging nvidia-smi was killed (and reaped)
-        os.kill(pid, 0)
+    pid = 0
+    try:
+        with capture_logs(processors=[without_command_trace]) as logs:
+            monitor = GpuMonitor(tmp_path / "gpu.csv", interval_s=0.05).start()
+            wait_for(hanging.exists)  # the thread now waits on the hanging nvidia-smi
+            pid = int(hanging.read_text())
+            monitor.stop(timeout=120)  # returns when the thread ends, or gives up after 120 s
+        assert not monitor.running
+        with pytest.raises(ProcessLookupError):  # the hanging nvidia-smi was killed (and reaped)
+            os.kill(pid, 0)
+    finally:
+        if pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     assert [e["event"] for e in logs] == ["gpu_monitor_started", "gpu_summary"]  # an interrupt is no failure
 
 
@@ -324,13 +335,13 @@ def test_nvml_respects_cuda_visible_devices(tmp_path: Path, no_smi: None, monkey
 
 
 def test_stop_is_prompt(tmp_path: Path, no_smi: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stop wakes the thread out of its wait for the next sample: with an hour between samples and
+    stop waiting at most two minutes for the thread, a stop that did not wake it leaves it running."""
     monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml())
     with capture_logs():
-        monitor = GpuMonitor(tmp_path / "gpu.csv", interval_s=60).start()
+        monitor = GpuMonitor(tmp_path / "gpu.csv", interval_s=3600).start()
         assert monitor.running
-        started = time.monotonic()
-        monitor.stop()
-        assert time.monotonic() - started < 1.0
+        monitor.stop(timeout=120)
     assert not monitor.running and not monitor_threads()
     assert monitor.summary()[0]["samples"] == 1  # the one taken at start
 

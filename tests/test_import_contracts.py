@@ -69,14 +69,17 @@ VIOLATIONS = [
     ("worker/job.py", "from bridge import ledger", "job-side-not-login-only"),
     ("bridge/chain/link.py", "import bridge.ops.status", "job-side-not-login-only"),
     ("bridge/intake.py", "import bridge.testing", "testing-not-in-product"),
+    ("bridge/ops/probe.py", "from bridge.ops import doctor", "ops-doctor-layers"),  # the cycle there was
+    ("bridge/ops/checks.py", "import bridge.ops.probe", "ops-doctor-layers"),
+    ("consumers/verify.py", "from worker.trainer._keras import BACKEND", "consumers-public-worker"),
 ]
 
 
 @pytest.fixture(scope="module")
 def tree_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """bridge/, worker/ and pyproject.toml, copied once; each test breaks one file and restores it."""
+    """bridge/, worker/, consumers/ and pyproject.toml, copied once; each test breaks one file and restores it."""
     root = tmp_path_factory.mktemp("tree")
-    for package in ("bridge", "worker"):
+    for package in ("bridge", "worker", "consumers"):
         shutil.copytree(REPO / package, root / package, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / "pyproject.toml", root / "pyproject.toml")
     return root
@@ -96,6 +99,38 @@ def test_a_deliberate_violation_breaks_its_contract(tree_copy: Path, path: str, 
     assert {name for name, verdict in verdicts(result.stdout).items() if verdict == "BROKEN"} == {broken}
     importer = path.removesuffix(".py").replace("/", ".")
     assert importer in result.stdout  # the report names the offending module
+
+
+def test_a_cycle_through_a_new_module_breaks_the_ops_layers(tree_copy: Path) -> None:
+    """doctor imports its probe job; a module that imports doctor back, imported by the probe job,
+    closes a cycle (doctor -> probe -> the new module -> doctor): the layers contract sees it."""
+    loop = tree_copy / "bridge" / "ops" / "loop_back.py"
+    probe = tree_copy / "bridge" / "ops" / "probe.py"
+    original = probe.read_text()
+    loop.write_text("from bridge.ops import doctor  # a deliberate cycle\n")
+    probe.write_text(f"{original}\nfrom bridge.ops import loop_back  # a deliberate cycle\n")
+    try:
+        result = lint_imports(tree_copy)
+    finally:
+        probe.write_text(original)
+        loop.unlink()
+    broken = {name for name, verdict in verdicts(result.stdout).items() if verdict == "BROKEN"}
+    assert result.returncode != 0, result.stdout
+    assert broken == {contracts()["ops-doctor-layers"]["name"]}
+    assert "bridge.ops.loop_back" in result.stdout  # the report names the chain through it
+    assert lint_imports(tree_copy).returncode == 0  # and the copy, restored, keeps every contract again
+
+
+def test_consumers_may_import_no_private_worker_module() -> None:
+    """The contract lists every private module of worker/ (import-linter cannot say ``worker.**._*``)."""
+    private = set()
+    for path in (REPO / "worker").rglob("*.py"):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        private_at = [i for i, part in enumerate(parts) if part.startswith("_") and not part.startswith("__")]
+        if private_at:  # the outermost private module or package
+            private.add(".".join(parts[: private_at[0] + 1]))
+    assert private, "worker/ has no private module: the check found nothing (worker.trainer._keras is one)"
+    assert set(contracts()["consumers-public-worker"]["forbidden_modules"]) == private
 
 
 # --------------------------------------------------------------------------- every module classified
@@ -184,10 +219,12 @@ def test_the_process_check_finds_each_way_to_start_a_process() -> None:
     ]
 
 
-#: The one named exception: bridge/logs.py forks the small process that relays what is left of
+#: The named exceptions: bridge/logs.py forks the small process that relays what is left of
 #: file descriptor 2 after the worker died (capture_native_stderr). It runs no program (no exec),
-#: so there is no command, output or timeout for bridge.shell to own.
-ALLOWED_STARTS = {"bridge/logs.py": ["os.fork"]}
+#: so there is no command, output or timeout for bridge.shell to own. bridge/ops/run_check.py (the
+#: crontab entry) replaces itself with bash running the packaged run_check.sh: no child is started,
+#: so there is nothing to time out or capture, and cron sees the script's own exit status.
+ALLOWED_STARTS = {"bridge/logs.py": ["os.fork"], "bridge/ops/run_check.py": ["os.execve"]}
 
 
 def test_only_bridge_shell_starts_processes() -> None:

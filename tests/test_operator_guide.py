@@ -1,9 +1,11 @@
 """docs/operator-guide.md, followed exactly by a newcomer's account, gives a working cron deployment.
 
 deploy/dev/follow_guide.py runs every ```bash block of the guide's install sections as a fresh,
-unprivileged account (clone, two venvs, credentials.env, doctor, a pass by hand, crontab, log
-rotation). Then Rodan publishes a request and the reply must come back through what cron runs:
-nobody here calls the bridge. Needs root (to create the account) and cron (set-up installs it).
+unprivileged account, from a wheel of the working tree and no checkout (two venvs, `hpc-bridge
+init`, the settings, doctor, a pass by hand, crontab, log rotation). Then Rodan publishes a request
+and the reply must come back through what the real cron daemon runs: nobody here calls the bridge.
+The guide's Upgrade section then upgrades the live deployment (`hpc-bridge upgrade`), and its
+Uninstall section removes it. Needs root (to create the account) and cron (set-up installs it).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.bridge import FAST_SETTINGS, RODAN_EMAIL, RODAN_PASSWORD
+from tests.support.broker import queue_exists
 from tests.support.wait import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +52,7 @@ def test_following_the_operator_guide_gives_a_working_cron_deployment(
         "RODAN_USER": RODAN_EMAIL,
         "RODAN_PASSWORD": RODAN_PASSWORD,
         "HPC_WORKER_PYTHON": f"/home/{USER}/hpc-bridge/envs/current/bin/python",
-        "HPC_LOG_FILE": "~/hpc-bridge/logs/bridge.log",
+        "HPC_LOG_FILE": "~/.local/state/hpc-bridge/default/bridge.log",
         "HPC_METRICS_FILE": "~/hpc-bridge/metrics/hpc_bridge.prom",
         "HPC_SCHEDULER": "slurm",
         # The dev cluster's GPUs are fake: TensorFlow sees none, and `doctor --job` would rightly say so.
@@ -58,6 +61,7 @@ def test_following_the_operator_guide_gives_a_working_cron_deployment(
         "HPC_REQUEST_QUEUE": queues.request,
         "HPC_REPLY_QUEUE": queues.reply,
         "HPC_DEAD_LETTER_QUEUE": queues.dead,
+        "HPC_STATUS_QUEUE": f"{queues.dead}-status",
     }
     (tmp_path / "settings.json").write_text(json.dumps(settings))
     (tmp_path / "settings.json").chmod(0o600)
@@ -71,14 +75,15 @@ def test_following_the_operator_guide_gives_a_working_cron_deployment(
             assert f"ok   {check}:" in out, out[-4000:]  # doctor --job, from a compute node
 
         # What the guide built, as the guide says.
-        credentials = home / "hpc-bridge" / "credentials.env"
+        credentials = home / ".config" / "hpc-bridge" / "default" / "credentials.env"
         assert stat.S_IMODE(credentials.stat().st_mode) == 0o600
         assert credentials.stat().st_uid == int(subprocess.check_output(["id", "-u", USER]))
         values = [line for line in credentials.read_text().splitlines() if not line.startswith("#")]
         assert not [line for line in values if "CHANGE_ME" in line]  # every placeholder replaced
         crontab = _as_user("crontab -l").stdout
-        # install cron names the credentials file only where run_check would not find it by itself.
-        assert f"* * * * * {home}/hpc-bridge/deploy/run_check" in crontab.splitlines(), crontab
+        # install cron names nothing that the package's run_check finds by itself: no checkout anywhere.
+        assert f"* * * * * {home}/hpc-bridge/.venv/bin/hpc-bridge-run-check" in crontab.splitlines(), crontab
+        assert not (home / "hpc-bridge" / "deploy").exists()
         assert any("logrotate -s" in line for line in crontab.splitlines())
         bridge_python = (home / "hpc-bridge" / ".venv" / "bin" / "python").resolve()
         assert _as_user(f"{bridge_python} -c 'import tensorflow'").returncode != 0  # the login node stays light
@@ -111,22 +116,34 @@ def test_following_the_operator_guide_gives_a_working_cron_deployment(
             ["sacct", "-n", "-X", "-P", "-j", str(record["job_id"]), "-o", "User,State"], capture_output=True, text=True
         ).stdout.split()
         assert accounted[0] == f"{USER}|COMPLETED", accounted  # the job ran as the operator, not root
-        events = [
-            json.loads(line) for line in (home / "hpc-bridge" / "logs" / "run_check.log").read_text().splitlines()
-        ]
+        logs = home / ".local" / "state" / "hpc-bridge" / "default"
+        events = [json.loads(line) for line in (logs / "run_check.log").read_text().splitlines()]
         done = [e for e in events if e.get("event") == "run_check_done"]
         assert len(done) >= 2 and all(e.get("exit_status") == 0 for e in done), done  # by hand + at least one from cron
-        bridge_log = (home / "hpc-bridge" / "logs" / "bridge.log").read_text()
+        bridge_log = (logs / "bridge.log").read_text()
         assert f'"correlation_id": "{corr}"' in bridge_log and '"request_submitted"' in bridge_log
         assert RODAN_PASSWORD not in bridge_log
-        status = _as_user("~/hpc-bridge/.venv/bin/hpc-bridge --credentials ~/hpc-bridge/credentials.env status")
+        status = _as_user("~/hpc-bridge/.venv/bin/hpc-bridge status")
         assert status.returncode == 0 and "replied-ok" in status.stdout, status.stdout + status.stderr
         assert (home / "hpc-bridge" / "metrics" / "hpc_bridge.prom").is_file()
 
         # The guide's upgrade section on the live deployment: it ends with doctor passing.
+        current = home / "hpc-bridge" / "envs" / "current"
+        before = current.resolve()
         upgraded = _follow("--settings", str(tmp_path / "settings.json"), "--section", "Upgrade", "--keep-account")
         assert upgraded.returncode == 0, upgraded.stdout[-4000:] + upgraded.stderr[-2000:]
         assert "FAIL" not in upgraded.stdout
+        after = current.resolve()
+        assert after != before and after.parent == before.parent, (before, after)  # a new one, beside the old
+        assert before.is_dir() and (after / "hpc-bridge-extra").read_text().strip() == "worker"
+
+        # The guide's uninstall: nothing of the bridge is left running or on disk, settings aside.
+        removed = _follow("--settings", str(tmp_path / "settings.json"), "--section", "Uninstall", "--keep-account")
+        assert removed.returncode == 0, removed.stdout[-4000:] + removed.stderr[-2000:]
+        assert "hpc-bridge/" not in _as_user("crontab -l").stdout
+        assert not spool.exists() and not (home / "hpc-bridge").exists() and not logs.exists()
+        assert not credentials.exists()  # the guide's last line removes the settings too
+        assert not queue_exists(broker_url, f"{queues.dead}-status") and not queue_exists(broker_url, queues.dead)
     finally:
         # First, so that a timeout in the clean-up cannot leave it: it holds the passwords, like a credentials.env.
         (tmp_path / "settings.json").unlink()

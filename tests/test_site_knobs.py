@@ -37,7 +37,7 @@ from bridge.spool import Spool
 from tests.support.bridge import FAST_SETTINGS
 
 PROLOGUE = 'export SITE_VALUE="from the prologue"\necho "site prologue ran in $PWD"'
-SLURM_DIRECTIVES = ("--nice=10", "--qos=normal")
+SLURM_DIRECTIVES = ("--nice=10", "--delay-boot=7")
 GE_DIRECTIVES = ("-l h_vmem=1G", "-p -5", "-A hpcbt-site")
 PAGE_INPUTS = ("Image", "Background", "Selected Regions", "rgba PNG - Layer 0")
 
@@ -151,7 +151,9 @@ def test_unsafe_directive_text_never_reaches_a_script(entry: str, tmp_path: Path
         ("-p debug", "HPC_SLURM_PARTITION"),
         ("--array=1-3", "one job per request"),
         ("-kH", "held job"),  # flags run together: -k -H
-        ("--qos=high --time=5", "Maximum time"),  # sbatch reads every word of the line
+        ("--nice=10 --time=5", "Maximum time"),  # sbatch reads every word of the line
+        ("--qos=high", "HPC_SLURM_QOS"),
+        ("-q high", "HPC_SLURM_QOS"),
         ("--wait", "at once"),
         ("-M other", "HPC_SCHEDULER_ARGS"),
         ("--comment=x", "--comment"),
@@ -159,14 +161,13 @@ def test_unsafe_directive_text_never_reaches_a_script(entry: str, tmp_path: Path
 )
 def test_slurm_directives_never_override_the_bridges_own(entry: str, why: str, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="refusing HPC_JOB_DIRECTIVES entry") as err:
-        SlurmScheduler().render(spec(tmp_path, directives=("--qos=normal", entry)))
+        SlurmScheduler().render(spec(tmp_path, directives=("--nice=10", entry)))
     assert why in str(err.value)
 
 
 @pytest.mark.parametrize(
     "entry",
     [
-        "--qos=high",
         "--constraint=v100",
         "-C v100",
         "--exclusive",
@@ -174,7 +175,7 @@ def test_slurm_directives_never_override_the_bridges_own(entry: str, why: str, t
         "--gpus-per-task=1",  # not --gpus: a different option
         "--mem-bind=local",  # not --mem
         "--time-min=30",
-        "-kq high",  # -k takes no value, -q takes 'high'
+        "-kC v100",  # -k takes no value, -C takes 'v100'
         "--export=ALL",
         "--reservation=maint",
     ],
@@ -272,7 +273,7 @@ def site_config(tmp_path: Path, scheduler: str, **extra: str) -> BridgeConfig:
 
 @pytest.mark.parametrize(
     ("scheduler", "directives"),
-    [("slurm", "--qos=high; --constraint=v100\n--exclusive"), ("gridengine", "-l h_vmem=4G\n-p -5")],
+    [("slurm", "--nice=10; --constraint=v100\n--exclusive"), ("gridengine", "-l h_vmem=4G\n-p -5")],
 )
 def test_the_request_job_carries_the_configured_knobs(scheduler: str, directives: str, tmp_path: Path) -> None:
     config = site_config(tmp_path, scheduler, HPC_JOB_DIRECTIVES=directives, HPC_JOB_PROLOGUE=f"{PROLOGUE}\n")
@@ -301,7 +302,7 @@ def test_settings_refuse_what_the_script_would_refuse(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("scheduler", ["slurm", "gridengine"])
 def test_doctor_renders_the_sites_knobs(scheduler: str, tmp_path: Path) -> None:
-    directives = "--qos=high" if scheduler == "slurm" else "-l h_vmem=4G"
+    directives = "--nice=10" if scheduler == "slurm" else "-l h_vmem=4G"
     check = check_template(site_config(tmp_path, scheduler, HPC_JOB_DIRECTIVES=directives, HPC_JOB_PROLOGUE=PROLOGUE))
     assert check.status == "ok", check
     assert "1 site directive(s), the site's prologue, no secret" in check.found
@@ -369,7 +370,7 @@ def test_real_slurm_job_gets_the_directives_and_runs_the_prologue(
     job = spec(tmp_path, directives=SLURM_DIRECTIVES, prologue=PROLOGUE)
     job_id = submit(scheduler, job, submitted)
     shown = fields(scheduler, job_id)
-    assert " Nice=10 " in shown and " QOS=normal" in shown, shown
+    assert " Nice=10 " in shown and " DelayBoot=00:07:00" in shown, shown
     assert ended(scheduler, job_id).state is JobState.COMPLETED
     log = scheduler.log_file(tmp_path, job_id).read_text()
     assert f"site prologue ran in {tmp_path}\ncommand sees: from the prologue in {tmp_path}\n" in log
@@ -414,7 +415,7 @@ def test_a_failing_prologue_line_fails_the_job_before_the_command(
 
 def test_directive_problems_are_listed_for_a_check_at_start() -> None:
     """What a settings check can call before any request (the same rules as rendering)."""
-    assert SlurmScheduler().directive_problems(["--qos=high", "--exclusive"]) == []
+    assert SlurmScheduler().directive_problems(["--nice=10", "--exclusive"]) == []
     problems = GridEngineScheduler().directive_problems(["-l h_vmem=4G", "-l h_rt=1:00:00", "-A $(id)"])
     assert problems == [
         "HPC_JOB_DIRECTIVES entry '-l h_rt=1:00:00': -l h_rt is set by the bridge: the time limit is the "

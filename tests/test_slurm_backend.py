@@ -61,7 +61,7 @@ def test_rendered_script_matches_the_golden_file() -> None:
 def test_site_directives_and_prologue_match_the_golden_file() -> None:
     """HPC_JOB_DIRECTIVES after the bridge's own directives, HPC_JOB_PROLOGUE just before the worker."""
     text = SlurmScheduler().render(
-        spec(directives=("--qos=high", "--constraint=v100", "--exclusive"), prologue=SITE_PROLOGUE)
+        spec(directives=("--nice=10", "--constraint=v100", "--exclusive"), prologue=SITE_PROLOGUE)
     )
     if os.environ.get("UPDATE_GOLDEN"):
         GOLDEN_SITE.write_text(text)

@@ -4,20 +4,26 @@ that drives requests into every state a short test can reach and reads them back
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
+import socket
 import stat
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bridge.ledger import RequestRecord, RequestState
+from bridge.ledger import Ledger, RequestRecord, RequestState
 from bridge.ops.metrics import display_state, render
 from bridge.ops.status import Row, format_age, format_table, parse_duration, select
+from bridge.spool import Spool
 from tests.support.bridge import FAST_SETTINGS, bridge_environ, run_bridge
+from tests.support.broker import Queues, Rodan
 from tests.support.cluster import Cluster, cancel_ledger_jobs
 from tests.support.wait import wait_until
 
@@ -295,9 +301,9 @@ def test_status_and_metrics_on_real_requests(broker_url, standin, queues, rodan,
         assert samples[("hpc_bridge_reconciliations_total", ())] == 1  # per check process
         assert time.time() - samples[("hpc_bridge_metrics_timestamp_seconds", ())] < 3600
 
-        # Broker down: the table still comes, the summary says so, exit 0.
+        # Broker down: the table still comes, the summary says so, exit 1.
         code, out = _status({**env, "RABBITMQ_URL": "amqp://guest:guest@127.0.0.1:1/%2F"}, "--no-scheduler")
-        assert code == 0 and "broker down" in out and "request -  reply -  dead-letter -" in out, out
+        assert code == 1 and "broker down" in out and "request -  reply -  dead-letter -" in out, out
         assert len([line for line in out.splitlines() if line[:8] in by_short]) == 6
     finally:
         standin.clear_faults()
@@ -385,6 +391,75 @@ def test_status_shows_live_grid_engine_jobs(broker_url, standin, queues, rodan, 
         assert samples[("hpc_bridge_requests_total", (("outcome", "submitted"),))] == 2
     finally:
         cancel_ledger_jobs(spool, cluster)
+
+
+# --- the exit status: the broker unreachable is 1 ------------------------------------------------
+
+
+@contextlib.contextmanager
+def _closed_port() -> Iterator[int]:
+    """A port on 127.0.0.1 that refuses connections: bound by this test (so nobody else listens on
+    it) but never listening."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        yield int(held.getsockname()[1])
+
+
+def _status_settings(tmp_path: Path, broker_url: str, queues: Queues) -> dict[str, str]:
+    """Settings for ``status`` alone (it never reaches Rodan), and one request in the ledger."""
+    spool = Spool(tmp_path / "spool").ensure()
+    Ledger(spool).save(RequestRecord("d3adbeef-status", "d3adbeef-status", queues.reply, state=RequestState.RECEIVED))
+    return {
+        "RABBITMQ_URL": broker_url,
+        "RODAN_HOST": "rodan.example.org",
+        "RODAN_USER": "hpc@example.org",
+        "RODAN_PASSWORD": "status-test-pw",
+        "HPC_REQUEST_QUEUE": queues.request,
+        "HPC_REPLY_QUEUE": queues.reply,
+        "HPC_DEAD_LETTER_QUEUE": queues.dead,
+        "HPC_SPOOL_DIR": str(spool.root),
+    }
+
+
+@pytest.mark.parametrize("json_output", [False, True], ids=["table", "json"])
+def test_status_exits_1_when_the_broker_refuses(tmp_path: Path, json_output: bool) -> None:
+    queues = Queues.fresh()  # names only: nothing is declared
+    with _closed_port() as port:
+        env = _status_settings(tmp_path, f"amqp://guest:guest@127.0.0.1:{port}/%2F", queues)
+        code, out = _status(env, "--no-scheduler", *(["--json"] if json_output else []))
+    assert code == 1, out
+    if json_output:
+        data = json.loads(out)
+        assert [r["correlation_id"] for r in data["requests"]] == ["d3adbeef-status"]  # still listed
+        assert {role: q["depth"] for role, q in data["queues"].items()} == dict.fromkeys(
+            ("request", "reply", "dead_letter")
+        )
+        assert any(note.startswith("broker down") for note in data["notes"]), data["notes"]
+    else:
+        assert "broker down" in out and "request -  reply -  dead-letter -" in out, out
+        assert any(line.startswith("d3adbeef ") and "queued" in line for line in out.splitlines()), out
+
+
+@pytest.mark.broker
+def test_status_exits_0_when_the_broker_answers(tmp_path: Path, broker_url: str, rodan: Rodan) -> None:
+    rodan.publish(b"{}")  # as Rodan does: declares the request and reply queues, one message sent
+    env = _status_settings(tmp_path, broker_url, rodan.queues)
+    code, out = _status(env, "--no-scheduler")
+    assert code == 0, out
+    assert "broker down" not in out and "request 1  reply 0  dead-letter -" in out, out
+    code, out = _status(env, "--no-scheduler", "--json")
+    assert code == 0, out
+    data = json.loads(out)
+    assert data["queues"]["request"]["depth"] == 1 and data["notes"] == []
+
+
+def test_status_help_names_its_exit_statuses() -> None:
+    result = run_bridge({}, "status", "--help")
+    assert result.returncode == 0, result.stderr
+    epilog = result.stdout[result.stdout.index("exit status:") :]
+    assert re.search(r"^\s+0\s+the broker answered", epilog, re.M), epilog
+    assert re.search(r"^\s+1\s+the broker is unreachable", epilog, re.M), epilog
+    assert re.search(r"^\s+2\s+configuration error", epilog, re.M), epilog
 
 
 def test_metrics_file_is_not_written_without_the_setting(tmp_path: Path) -> None:

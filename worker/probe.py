@@ -18,6 +18,8 @@ training job needs there:
 The probe file holds no secret (Rodan's address, the broker's host and port; no password, no
 token). Every finding is written to ``result.json`` beside it as soon as it is known, so the
 login side gets what was found even when a later check kills the job (a Slurm requeue does).
+Both files are typed records of bridge/handoff.py, which the login side (bridge/ops/probe.py)
+uses too: :class:`~bridge.handoff.ProbeParameters` in, :class:`~bridge.handoff.ProbeResult` out.
 """
 
 from __future__ import annotations
@@ -33,27 +35,32 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import requests
 import structlog
 
+from bridge.handoff import (
+    PROBE_HELD_LOCK_FILE,
+    PROBE_RESULT_FILE,
+    PROBE_RESULT_MARKER,
+    PROBE_TOKEN_FILE,
+    ProbeContinueState,
+    ProbeFinding,
+    ProbeParameters,
+    ProbeRerun,
+    ProbeResult,
+)
 from bridge.logs import configure_logging
-from bridge.schedulers import JobSpec, get_scheduler, restart_variables, scratch_variables
+from bridge.schedulers import get_scheduler, restart_variables, scratch_variables
 from bridge.shell import CommandError, CommandNotFound, CommandTimeout, run_command
 from bridge.spool import LOCK_FIX, NO_LOCKS, atomic_write_json, mount_of, read_json
 
 log = structlog.get_logger("worker")
 
-#: The file beside the probe file that the node writes and the login side reads.
-RESULT_NAME = "result.json"
-#: The file the login node writes before submitting; the node reports what it read there.
-TOKEN_NAME = "from-login"
-#: A file the login node holds an exclusive ``flock`` on while it waits for the probe.
-HELD_LOCK_NAME = "held.lock"
-#: When the result file cannot be written, the result goes to the job's output after this marker.
-RESULT_MARKER = "HPC-PROBE-RESULT "
+#: The exit status when the probe file cannot be read (as the worker's for a parameter file).
+EXIT_UNREADABLE = 3
 #: What the backend check prints before its JSON line.
 BACKEND_MARKER = "HPC-PROBE-BACKEND "
 #: Run by the worker's Python on the node: the Keras backend it chose (worker.trainer.backend),
@@ -84,23 +91,23 @@ GPU_BUILDS = {
 #: How much the scratch check writes (and removes).
 SCRATCH_WRITE_BYTES = 1 << 20
 
-Finding = dict[str, str]
+Finding = ProbeFinding
 
 
 def ok(found: str) -> Finding:
-    return {"status": "ok", "found": found, "fix": ""}
+    return Finding(status="ok", found=found)
 
 
 def fail(found: str, fix: str) -> Finding:
-    return {"status": "FAIL", "found": found, "fix": fix}
+    return Finding(status="FAIL", found=found, fix=fix)
 
 
 def warn(found: str, fix: str = "") -> Finding:
-    return {"status": "warn", "found": found, "fix": fix}
+    return Finding(status="warn", found=found, fix=fix)
 
 
 def skip(why: str) -> Finding:
-    return {"status": "skip", "found": f"skipped: {why}", "fix": ""}
+    return Finding(status="skip", found=f"skipped: {why}")
 
 
 def _error(exc: BaseException) -> str:
@@ -133,19 +140,18 @@ def _write_probe_file(directory: Path) -> None:
                 path.unlink()
 
 
-def check_spool(params: Mapping[str, Any], result: dict[str, Any]) -> Finding:
-    probe_dir = Path(params["dir"])
+def check_spool(params: ProbeParameters, result: ProbeResult) -> Finding:
+    probe_dir = params.dir
     try:
-        result["token"] = (probe_dir / TOKEN_NAME).read_text().strip()
+        result.token = params.path(PROBE_TOKEN_FILE).read_text().strip()
     except OSError as exc:
         return fail(
-            f"cannot read {probe_dir / TOKEN_NAME}, which the login node wrote ({_error(exc)})",
+            f"cannot read {params.path(PROBE_TOKEN_FILE)}, which the login node wrote ({_error(exc)})",
             "HPC_SPOOL_DIR must be the same directory on the login node and the compute nodes (shared storage "
             "mounted at the same path)",
         )
     problems, written = [], []
-    for label, path in params["write_dirs"].items():
-        directory = Path(path)
+    for label, directory in params.write_dirs.items():
         try:
             if label == "runs":
                 directory.mkdir(parents=True, exist_ok=True)  # as the worker's RunDirectory.create does
@@ -170,8 +176,8 @@ def check_spool(params: Mapping[str, Any], result: dict[str, Any]) -> Finding:
 # --- locks -------------------------------------------------------------------------------------
 
 
-def check_lock(params: Mapping[str, Any], result: dict[str, Any]) -> Finding:
-    probe_dir = Path(params["dir"])
+def check_lock(params: ProbeParameters, result: ProbeResult) -> Finding:
+    probe_dir = params.dir
     point, fstype = mount_of(probe_dir)
     mount = f"{point or probe_dir} ({fstype or 'unknown filesystem'})"
     for kind, path in (("flock", probe_dir / "node-flock.lock"), ("fcntl", probe_dir / "node-fcntl.lock")):
@@ -194,7 +200,7 @@ def check_lock(params: Mapping[str, Any], result: dict[str, Any]) -> Finding:
             os.close(fd)
             with contextlib.suppress(OSError):
                 path.unlink()
-    held = probe_dir / HELD_LOCK_NAME
+    held = params.path(PROBE_HELD_LOCK_FILE)
     try:
         fd = os.open(held, os.O_RDWR)
     except OSError as exc:
@@ -242,13 +248,13 @@ def judge_gpus(
     return ok(f"{seen} of the {asked} GPU(s) asked{request} visible to {name}{shown}")
 
 
-def check_worker(params: Mapping[str, Any], result: dict[str, Any]) -> Finding:
+def check_worker(params: ProbeParameters, result: ProbeResult) -> Finding:
     python = sys.executable
     fix = (
         "install the worker into HPC_WORKER_PYTHON's environment on a path the nodes see (pip install "
         "'hpc-bridge[worker]'), or load what it needs (modules, CUDA) in HPC_JOB_PROLOGUE"
     )
-    timeout = float(params.get("tf_timeout_s", 240.0))
+    timeout = params.import_timeout_s
     try:
         answer = run_command([python, "-c", BACKEND_CODE], timeout=timeout, env=dict(os.environ))
     except CommandTimeout:
@@ -263,38 +269,38 @@ def check_worker(params: Mapping[str, Any], result: dict[str, Any]) -> Finding:
     if not lines:
         return fail(f"{python} printed no Keras backend on the node: {answer.stdout.strip()[:200]!r}", fix)
     found = json.loads(lines[-1][len(BACKEND_MARKER) :])
-    result["backend"] = found
+    result.backend = found
     gpus = judge_gpus(
-        int(params.get("gpus_asked", 0)),
+        params.gpus_asked,
         int(found["gpus"]),
-        gres=str(params.get("gres") or ""),
+        gres=params.gres,
         cuda=bool(found.get("cuda", True)),
         visible=os.environ.get("CUDA_VISIBLE_DEVICES", ""),
         backend=found["backend"],
     )
     name = BACKEND_NAMES.get(found["backend"], found["backend"])
     devices = ", ".join(found.get("devices", [])) or "none"
-    gpus["found"] = (
-        f"{python}: worker.trainer imports on Keras' {name} backend ({name} {found['version']}; devices: {devices}); "
-        f"{gpus['found']}"
+    return replace(
+        gpus,
+        found=f"{python}: worker.trainer imports on Keras' {name} backend ({name} {found['version']}; "
+        f"devices: {devices}); {gpus.found}",
     )
-    return gpus
 
 
 # --- node-local scratch ------------------------------------------------------------------------
 
 
-def scratch_candidates(configured: str | None, environ: Mapping[str, str]) -> list[tuple[str, str]]:
+def scratch_candidates(configured: str | Path | None, environ: Mapping[str, str]) -> list[tuple[str, str]]:
     """Where the worker looks for node-local scratch, in its order (worker/job.py)."""
-    found = [("HPC_NODE_LOCAL_DIR", configured or "")]
+    found = [("HPC_NODE_LOCAL_DIR", str(configured or ""))]
     found += [(name, environ.get(name, "")) for name in (*scratch_variables(), "TMPDIR")]
     return [(name, value) for name, value in found if value]
 
 
-def check_scratch(params: Mapping[str, Any], result: dict[str, Any]) -> Finding:
-    minimum = int(params.get("min_scratch_bytes", 2 << 30))
+def check_scratch(params: ProbeParameters, result: ProbeResult) -> Finding:
+    minimum = params.min_scratch_bytes
     notes: list[str] = []
-    for name, value in scratch_candidates(params.get("node_local_dir"), os.environ):
+    for name, value in scratch_candidates(params.node_local_dir, os.environ):
         base = Path(value)
         if not base.is_dir():
             if name == "HPC_NODE_LOCAL_DIR":
@@ -337,9 +343,9 @@ def check_scratch(params: Mapping[str, Any], result: dict[str, Any]) -> Finding:
 # --- Rodan and the broker, over the network ----------------------------------------------------
 
 
-def check_rodan(params: Mapping[str, Any], result: dict[str, Any]) -> Finding:
-    url = str(params["rodan_url"]).rstrip("/") + "/api/auth/me/"
-    timeout = float(params.get("rodan_timeout_s", 15.0))
+def check_rodan(params: ProbeParameters, result: ProbeResult) -> Finding:
+    url = params.rodan_url.rstrip("/") + "/api/auth/me/"
+    timeout = params.rodan_timeout_s
     fix = (
         "the worker downloads the inputs from Rodan inside the job: open the route from the nodes to RODAN_HOST, "
         "or export the site's proxy (HTTPS_PROXY=...) in HPC_JOB_PROLOGUE"
@@ -366,8 +372,8 @@ def check_rodan(params: Mapping[str, Any], result: dict[str, Any]) -> Finding:
     return warn(f"GET {url} answered {code} from the node", "check RODAN_HOST points at Rodan's API")
 
 
-def check_broker(params: Mapping[str, Any], result: dict[str, Any]) -> Finding:
-    host, port = str(params["broker"]["host"]), int(params["broker"]["port"])
+def check_broker(params: ProbeParameters, result: ProbeResult) -> Finding:
+    host, port = params.broker.host, params.broker.port
     try:
         with socket.create_connection((host, port), timeout=10.0):
             pass
@@ -384,37 +390,36 @@ def check_broker(params: Mapping[str, Any], result: dict[str, Any]) -> Finding:
 # --- continuing a job --------------------------------------------------------------------------
 
 
-def check_continue(params: Mapping[str, Any], result: dict[str, Any], save: Callable[[], None]) -> Finding:
+def check_continue(params: ProbeParameters, result: ProbeResult, save: Callable[[], None]) -> Finding:
     """Ask the scheduler to continue this job, as a training job at its time limit does.
 
     Slurm's requeue ends this process soon after it is accepted: the result is saved before asking.
     """
-    cont = params.get("continue")
-    if not cont:
-        return skip(str(params.get("continue_skipped", "jobs do not continue")))
+    cont = params.continuation
+    if cont is None:
+        return skip(params.continuation_skipped or "jobs do not continue")
     job_id = os.environ.get("HPC_JOB_ID", "")
-    mode = str(cont.get("mode", ""))
     if not job_id:
         return fail("HPC_JOB_ID is not set: the batch script is not the bridge's template", "see probe-job")
-    result["continue"] = {"mode": mode, "state": "asking", "job_id": job_id}
+    state = result.continuation = ProbeContinueState(mode=cont.mode, state="asking", job_id=job_id)
     save()
-    scheduler = get_scheduler(str(cont["scheduler"]), timeout_s=float(cont["timeout_s"]), options=cont["options"])
-    spec = JobSpec.from_json(cont["spec"])
+    access = cont.job
+    scheduler = get_scheduler(access.scheduler, timeout_s=access.timeout_s, options=access.options)
     try:
-        next_id = scheduler.continue_job(job_id, Path(cont["script"]), spec)
+        next_id = scheduler.continue_job(job_id, access.script, access.spec)
     except Exception as exc:  # whatever the scheduler says, it is the finding
-        result["continue"].update(state="refused", error=_error(exc))
-        return _refused(mode, scheduler.display_name, _error(exc))
+        state.state, state.error = "refused", _error(exc)
+        return _refused(cont.mode, scheduler.display_name, _error(exc))
     if next_id == job_id:
-        result["continue"].update(state="requeued")
+        state.state = "requeued"
         return ok(f"{scheduler.display_name} accepted the requeue of job {job_id} from the node")
-    result["continue"].update(state="submitted", successor=next_id)
+    state.state, state.successor = "submitted", next_id
     save()
     try:
         scheduler.cancel(next_id)
-        result["continue"]["cancelled"] = True
+        state.cancelled = True
     except Exception as exc:  # the login side cancels it too
-        result["continue"]["cancel_error"] = _error(exc)
+        state.cancel_error = _error(exc)
     return ok(f"job {next_id} submitted from the node, held on job {job_id} (the way a job continues), and cancelled")
 
 
@@ -434,7 +439,9 @@ def _refused(mode: str, label: str, error: str) -> Finding:
 
 # --- the probe ---------------------------------------------------------------------------------
 
-CHECKS: tuple[tuple[str, Callable[[Mapping[str, Any], dict[str, Any]], Finding]], ...] = (
+#: The checks in the order they run (continue last, on its own: it may end the job); doctor prints
+#: them in PROBE_CHECKS' order.
+CHECKS: tuple[tuple[str, Callable[[ProbeParameters, ProbeResult], Finding]], ...] = (
     ("spool", check_spool),
     ("lock", check_lock),
     ("broker", check_broker),
@@ -442,53 +449,52 @@ CHECKS: tuple[tuple[str, Callable[[Mapping[str, Any], dict[str, Any]], Finding]]
     ("scratch", check_scratch),
     ("worker", check_worker),
 )
+CONTINUE_CHECK = "continue"
 
 
-def _save(path: Path, result: Mapping[str, Any]) -> None:
+def _save(path: Path, result: ProbeResult) -> None:
     try:
-        atomic_write_json(path, result)
+        atomic_write_json(path, result.to_json())
     except OSError:  # the login side then looks for it in the job's output
-        print(RESULT_MARKER + json.dumps(result, sort_keys=True), flush=True)
+        print(PROBE_RESULT_MARKER + json.dumps(result.to_json(), sort_keys=True), flush=True)
 
 
 def run_probe(probe_file: Path) -> int:
-    params = read_json(probe_file)
-    result_path = probe_file.with_name(RESULT_NAME)
+    try:
+        params = ProbeParameters.from_json(read_json(probe_file))
+    except (OSError, ValueError) as exc:  # another version's probe file, or none: nothing to check with
+        log.error("probe_unreadable", path=str(probe_file), error=_error(exc))
+        return EXIT_UNREADABLE
+    result_path = params.path(PROBE_RESULT_FILE)
     job_id = os.environ.get("HPC_JOB_ID", "")
     restart = next((os.environ[v] for v in restart_variables() if os.environ.get(v)), "0")
     if result_path.exists():  # run again: requeued, or a successor that was not cancelled in time
         with contextlib.suppress(OSError, ValueError):
-            earlier = read_json(result_path)
-            earlier["reran"] = {"job_id": job_id, "restart": restart, "at": time.time()}
+            earlier = ProbeResult.from_json(read_json(result_path))
+            earlier.reran = ProbeRerun(job_id=job_id, restart=restart, at=time.time())
             _save(result_path, earlier)
         log.info("probe_reran", job_id=job_id, restart=restart)
         return 0
-    result: dict[str, Any] = {
-        "host": socket.gethostname(),
-        "job_id": job_id,
-        "restart": restart,
-        "python": sys.executable,
-        "started_at": time.time(),
-        "checks": {},
-        "finished": False,
-    }
+    result = ProbeResult(
+        host=socket.gethostname(), job_id=job_id, restart=restart, python=sys.executable, started_at=time.time()
+    )
     for name, check in CHECKS:
         try:
             finding = check(params, result)
         except Exception as exc:  # a defect of the probe: say so, and go on with the next check
             finding = fail(f"the check itself failed ({_error(exc)})", "report this as a bug of hpc-bridge")
-        result["checks"][name] = finding
-        log.info("probe_check", check=name, status=finding["status"], found=finding["found"])
+        result.checks[name] = finding
+        log.info("probe_check", check=name, status=finding.status, found=finding.found)
         _save(result_path, result)
     try:
         finding = check_continue(params, result, lambda: _save(result_path, result))
     except Exception as exc:
         finding = fail(f"the check itself failed ({_error(exc)})", "report this as a bug of hpc-bridge")
-    result["checks"]["continue"] = finding
-    result["finished"] = True
-    result["finished_at"] = time.time()
+    result.checks[CONTINUE_CHECK] = finding
+    result.finished = True
+    result.finished_at = time.time()
     _save(result_path, result)
-    log.info("probe_finished", checks={k: v["status"] for k, v in result["checks"].items()})
+    log.info("probe_finished", checks={name: f.status for name, f in result.checks.items()})
     return 0
 
 

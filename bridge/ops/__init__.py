@@ -12,7 +12,18 @@ import importlib
 from typing import Any
 
 #: The modules under bridge/ops/ that define commands, in the order ``--help`` lists them.
-COMMAND_MODULES: tuple[str, ...] = ("status", "doctor", "request_log", "deadletter", "prune", "install")
+COMMAND_MODULES: tuple[str, ...] = (
+    "init",
+    "status",
+    "doctor",
+    "script",
+    "request_log",
+    "deadletter",
+    "prune",
+    "install",
+    "upgrade",
+    "uninstall",
+)
 
 
 def add_parsers(sub: Any) -> None:

@@ -1,8 +1,9 @@
 """``hpc-bridge doctor``: check a deployment end to end and say what to fix.
 
 Every check is independent and prints one line: ``ok``, ``FAIL`` or ``warn``, what it found and,
-when something is wrong, what to change. A check whose premise failed (no configuration, no
-broker) says ``skip`` and why. Exit 0 only when no check failed (warnings allowed).
+when something is wrong, what to change. A check whose premise failed (a setting it needs has a
+problem, no broker) says ``skip`` and why: a problem in one setting skips only the checks that
+need it (:data:`NEEDS`), the others still run. Exit 0 only when no check failed (warnings allowed).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import fnmatch
 import functools
 import json
 import os
@@ -20,23 +22,34 @@ import stat
 import tempfile
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import pika
 import pika.exceptions
-from dotenv import dotenv_values
 
 from bridge.amqp import CONNECTION_ERRORS, connection_parameters, describe_url
-from bridge.config import DEFAULT_CREDENTIALS, BridgeConfig, contains_secret, load_config
+from bridge.config import (
+    CREDENTIALS_SETTING,
+    BridgeConfig,
+    ConfigReport,
+    contains_secret,
+    credentials_path,
+    examine_config,
+)
 from bridge.errors import ConfigError, PermanentError, RodanAuthError, SchedulerUnavailable, TransientError
+from bridge.handoff import PROBE_RODAN_TIMEOUT_S
+from bridge.instance import Instance
 from bridge.intake import rodan_job_spec
 from bridge.logs import configure_logging, register_secret
+from bridge.ops import probe as job_probe
+from bridge.ops.checks import Check, fail, ok, skip, warn
 from bridge.ops.install import LINGER_DIR, installed_user_units, lingering
+from bridge.ops.instances import collisions, other_instances
 from bridge.protocol import RequestSettings
 from bridge.rodan import RodanClient
-from bridge.schedulers import Scheduler, get_scheduler
+from bridge.schedulers import BACKENDS, Scheduler, get_scheduler, option_problems
 from bridge.schedulers.base import scrubbed_environment
 from bridge.shell import CommandError, CommandNotFound, CommandTimeout, run_command
 from bridge.spool import LOCK_FIX, NO_LOCKS, Spool, fsync_dir, mount_of
@@ -68,33 +81,6 @@ WORKER_PROBE = (
 )
 
 
-@dataclass
-class Check:
-    name: str
-    status: str  # "ok", "FAIL", "warn" or "skip"
-    found: str
-    fix: str = ""
-
-    def line(self) -> str:
-        return f"{self.status:<4} {self.name}: {self.found}" + (f": {self.fix}" if self.fix else "")
-
-
-def ok(name: str, found: str) -> Check:
-    return Check(name, "ok", found)
-
-
-def fail(name: str, found: str, fix: str) -> Check:
-    return Check(name, "FAIL", found, fix)
-
-
-def warn(name: str, found: str, fix: str = "") -> Check:
-    return Check(name, "warn", found, fix)
-
-
-def skip(name: str, why: str) -> Check:
-    return Check(name, "skip", f"skipped: {why}")
-
-
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "doctor",
@@ -105,10 +91,11 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     p.add_argument(
-        "--skip-worker", action="store_true", help="do not import the worker environment (TensorFlow: seconds)"
+        "--skip-worker",
+        action="store_true",
+        help="skip the login node's worker check (HPC_WORKER_PYTHON importing the worker and TensorFlow "
+        "here: seconds); --job's node-worker check still imports them on the compute node",
     )
-    from bridge.ops import probe as job_probe  # imports this module: only once it is loaded
-
     job_probe.add_arguments(p)
     p.set_defaults(operator=run, loads_config=True)
 
@@ -117,8 +104,6 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(level="ERROR", component="doctor")  # the findings are the output, not log events
     probe = None
     if getattr(args, "job", False):
-        from bridge.ops import probe as job_probe
-
         options = job_probe.options_from(args)
         probe = functools.partial(job_probe.doctor_checks, options=options)
     checks = diagnose(args.credentials, skip_worker=args.skip_worker, probe=probe)
@@ -132,6 +117,86 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+#: Stands, in NEEDS, for every scheduler setting: which backend, its options and every backend's site
+#: settings (HPC_SLURM_*, HPC_SGE_*, ...: the backends registered when it is asked).
+SCHEDULER = "<scheduler>"
+BROKER_SETTINGS = ("RABBITMQ_*", "HPC_BROKER_HEARTBEAT")
+#: Where the secrets come from that the batch script must not hold (the template check looks for them).
+SECRET_SETTINGS = ("RODAN_PASSWORD", "RABBITMQ_URL", "RABBITMQ_PASSWORD")
+TEMPLATE_SETTINGS = (
+    SCHEDULER,
+    "HPC_SPOOL_DIR",
+    "HPC_GPU_RULES",
+    "HPC_WARN_SECONDS",
+    "HPC_JOB_*",
+    "HPC_WORKER_PYTHON",
+    *SECRET_SETTINGS,
+)
+#: The settings each check needs (fnmatch patterns; CREDENTIALS_SETTING, the file's mode, is the
+#: credentials check's own): a problem in one of them skips the check, and the checks that go with
+#: it (scheduler: its commands, it, its accounting; spool: it, spool-shared, spool-lock; probe: the
+#: probe job's lines). A problem about no one setting skips every check but these three.
+NEEDS: dict[str, tuple[str, ...]] = {
+    "broker": BROKER_SETTINGS,
+    "queues": (*BROKER_SETTINGS, "HPC_REQUEST_QUEUE", "HPC_REPLY_QUEUE", "HPC_DEAD_LETTER_QUEUE"),
+    "rodan": ("RODAN_*", "HPC_RODAN_TIMEOUT"),
+    "scheduler": (SCHEDULER,),
+    "spool": ("HPC_SPOOL_DIR",),
+    "instances": (
+        "RABBITMQ_*",
+        "HPC_REQUEST_QUEUE",
+        "HPC_DEAD_LETTER_QUEUE",
+        "HPC_STATUS_QUEUE",
+        "HPC_SPOOL_DIR",
+        "HPC_LOG_FILE",
+        "HPC_METRICS_FILE",
+        "HPC_BRIDGE_INSTANCE",
+    ),
+    "template": TEMPLATE_SETTINGS,
+    "worker": ("HPC_WORKER_PYTHON",),
+    "probe": (
+        *TEMPLATE_SETTINGS,
+        "RABBITMQ_*",
+        "RODAN_SCHEME",
+        "RODAN_HOST",
+        "HPC_RODAN_TIMEOUT",
+        "HPC_RUNS_DIR",
+        "HPC_NODE_LOCAL_DIR",
+        "HPC_MAX_CONTINUATIONS",
+    ),
+}
+
+
+#: The lines check_scheduler gives.
+SCHEDULER_CHECKS = ("scheduler-commands", "scheduler", "scheduler-accounting")
+
+
+def needed_settings(check: str) -> tuple[str, ...]:
+    """NEEDS[check], with SCHEDULER spelled out."""
+    patterns: list[str] = []
+    for pattern in NEEDS[check]:
+        if pattern == SCHEDULER:
+            patterns += ["HPC_SCHEDULER", "HPC_SCHEDULER_*", *(f"{cls.setting_prefix}*" for cls in BACKENDS.values())]
+        else:
+            patterns.append(pattern)
+    return tuple(patterns)
+
+
+def blocking(check: str, problems: Mapping[str, list[str]] | None) -> str:
+    """Why ``check`` cannot run, given the configuration's ``problems`` by setting (None: it did not
+    load at all); "" when it can."""
+    if problems is None:
+        return "the configuration did not load"
+    patterns = needed_settings(check)
+    names = sorted(s for s in problems if s and any(fnmatch.fnmatchcase(s, p) for p in patterns))
+    if names:
+        has = "has a problem" if len(names) == 1 else "have problems"
+        return f"{', '.join(names)} {has} (see settings)"
+    if "" in problems:
+        return "the configuration has a problem (see settings)"
+    return ""
+
+
 def diagnose(
     credentials: Path | None,
     *,
@@ -140,60 +205,85 @@ def diagnose(
     probe: Callable[[BridgeConfig | None, list[Check]], list[Check]] | None = None,
 ) -> list[Check]:
     """Every check; ``probe`` (``doctor --job``) adds its lines last, given the configuration and the
-    lines before it (None when the configuration did not load)."""
+    lines before it. A check that needs a setting with a problem is skipped (:data:`NEEDS`)."""
     env = dict(os.environ if environ is None else environ)
     checks: list[Check] = []
     path = _credentials_path(credentials, env)
     checks.append(check_credentials_file(path))
-    config, check = check_settings(path, env)
-    checks.append(check)
+    report, settings = check_settings(path, env)
+    checks.extend(settings)
     checks.append(check_linger())
-    if config is None:
-        why = "the configuration did not load"
-        for name in (
-            "broker",
-            "queues",
-            "rodan",
-            "scheduler-commands",
-            "scheduler",
-            "scheduler-accounting",
-            "spool",
-            "spool-shared",
-            "spool-lock",
-        ):
-            checks.append(skip(name, why))
-        checks.append(skip("template", why))
-        checks.append(skip("worker", why))
-        if probe is not None:
-            checks.extend(probe(None, checks))
-        return checks
-    for secret in config.secrets:
-        register_secret(secret)
-    broker = check_broker(config)
-    checks.append(broker)
-    checks.extend(
-        check_queues(config) if broker.status == "ok" else [skip("queues", "no broker connection (see broker)")]
+    problems = report.by_setting(without=[CREDENTIALS_SETTING]) if report is not None else None
+    config = report.config if report is not None else None
+    if config is not None:
+        for secret in config.secrets:
+            register_secret(secret)
+
+    def blocked(check: str) -> str:
+        return blocking(check, problems)
+
+    if config is None or blocked("broker"):
+        checks += [skip("broker", blocked("broker")), skip("queues", blocked("broker"))]
+    else:
+        broker = check_broker(config)
+        checks.append(broker)
+        if blocked("queues"):
+            checks.append(skip("queues", blocked("queues")))
+        elif broker.status == "ok":
+            checks.extend(check_queues(config))
+        else:
+            checks.append(skip("queues", "no broker connection (see broker)"))
+    checks.append(skip("rodan", blocked("rodan")) if config is None or blocked("rodan") else check_rodan(config))
+    if config is None or blocked("scheduler"):
+        checks += [skip(name, blocked("scheduler")) for name in SCHEDULER_CHECKS]
+    else:
+        checks.extend(check_scheduler(config))
+    if config is None or blocked("spool"):
+        checks += [skip(name, blocked("spool")) for name in ("spool", "spool-shared", "spool-lock")]
+    else:
+        checks.extend(check_spool(config.spool_dir))
+        checks.append(check_spool_lock(config.spool_dir))
+    checks.append(
+        skip("instances", blocked("instances"))
+        if config is None or blocked("instances")
+        else check_instances(config, env)
     )
-    checks.append(check_rodan(config))
-    checks.extend(check_scheduler(config))
-    checks.extend(check_spool(config.spool_dir))
-    checks.append(check_spool_lock(config.spool_dir))
-    checks.append(check_template(config))
-    checks.append(skip("worker", "--skip-worker") if skip_worker else check_worker(config))
+    if config is None or blocked("template"):
+        checks.append(skip("template", blocked("template")))
+    else:
+        checks.append(check_template(config))
+    if skip_worker:
+        checks.append(skip("worker", "--skip-worker"))
+    elif config is None or blocked("worker"):
+        checks.append(skip("worker", blocked("worker")))
+    else:
+        checks.append(check_worker(config))
     if probe is not None:
-        checks.extend(probe(config, checks))
+        why = blocked("probe")
+        checks.extend(job_probe.skipped(why) if config is None or why else probe(config, checks))
     return checks
+
+
+def check_instances(config: BridgeConfig, env: Mapping[str, str]) -> Check:
+    """What this instance shares with the account's other instances (bridge/ops/instances.py)."""
+    name = "instances"
+    others = other_instances(config, env)
+    if not others:
+        return ok(name, f"{config.instance} is the only instance of this account")
+    shared = collisions(config, others)
+    if shared:
+        return fail(name, "; ".join(shared), "give each instance its own (docs/operator-guide.md, Several instances)")
+    unread = [f"{o.name} ({o.problem})" for o in others if o.config is None]
+    if unread:
+        return warn(name, f"cannot read the settings of {', '.join(unread)}", "hpc-bridge --instance NAME doctor")
+    return ok(name, f"{config.instance} shares nothing with {', '.join(o.name for o in others)}")
 
 
 # --- 1. credentials ----------------------------------------------------------------------------
 
 
 def _credentials_path(credentials: Path | None, env: Mapping[str, str]) -> Path | None:
-    if credentials is not None:
-        return credentials
-    if env.get("HPC_BRIDGE_CREDENTIALS"):
-        return Path(env["HPC_BRIDGE_CREDENTIALS"])
-    return DEFAULT_CREDENTIALS if DEFAULT_CREDENTIALS.exists() else None
+    return credentials_path(credentials, env, Instance.from_environment(None, env))
 
 
 def check_credentials_file(path: Path | None) -> Check:
@@ -214,22 +304,37 @@ def check_credentials_file(path: Path | None) -> Check:
     return ok(name, f"{path} (mode {mode:o})")
 
 
-def check_settings(path: Path | None, env: Mapping[str, str]) -> tuple[BridgeConfig | None, Check]:
+def check_settings(path: Path | None, env: Mapping[str, str]) -> tuple[ConfigReport | None, list[Check]]:
+    """The settings line, and a settings-warnings line when there is something harmless to say (a name
+    in the file that this version does not read). The file's mode is the credentials line's: the
+    settings are judged all the same. The report is None when no settings could be read at all."""
     name = "settings"
     try:
-        return load_config(path, env), ok(name, "every setting is valid")
-    except ConfigError as exc:
-        message = str(exc)
-    if path is not None and path.is_file() and "readable by others" in message:
-        # Judge the settings anyway (the file's mode is its own check): file values, environment on top.
-        values = {k: v for k, v in dotenv_values(path, interpolate=False).items() if v is not None}
-        values.update({k: v for k, v in env.items() if k.startswith(("RABBITMQ_", "RODAN_", "HPC_"))})
-        values.pop("HPC_BRIDGE_CREDENTIALS", None)
-        try:
-            return load_config(None, values), ok(name, "every setting is valid (the file's mode aside)")
-        except ConfigError as exc:
-            message = str(exc)
-    return None, fail(name, message, "fix that setting in the credentials file or the environment")
+        report = examine_config(path, env)
+    except ConfigError as exc:  # the file named cannot be read
+        return None, [fail(name, str(exc), "fix that setting in the credentials file or the environment")]
+    checks: list[Check]
+    if report.by_setting(without=[CREDENTIALS_SETTING]):
+        checks = [
+            fail(
+                name,
+                str(report.error(without=[CREDENTIALS_SETTING])),
+                "fix that setting in the credentials file or the environment (the checks that need it are skipped)",
+            )
+        ]
+    elif report.source.mode_problem:
+        checks = [ok(name, "every setting is valid (the file's mode aside)")]
+    else:
+        checks = [ok(name, "every setting is valid")]
+    if report.warnings:
+        checks.append(
+            warn(
+                "settings-warnings",
+                "; ".join(report.warnings),
+                "remove each name from the file, or run the version that reads it",
+            )
+        )
+    return report, checks
 
 
 # --- 2. broker and 3. queues -------------------------------------------------------------------
@@ -376,7 +481,7 @@ def check_rodan(config: BridgeConfig) -> Check:
         user=config.rodan_user,
         email=config.rodan_email,
         password=config.rodan_password,
-        timeout_s=min(config.rodan_timeout_s, 15.0),
+        timeout_s=min(config.rodan_timeout_s, PROBE_RODAN_TIMEOUT_S),
         retries=0,
     )
     who = config.rodan_email or config.rodan_user
@@ -594,16 +699,26 @@ def _check_shared(spool: Path, existing: Path) -> Check:
 def check_template(config: BridgeConfig) -> Check:
     name = "template"
     spec = rodan_job_spec(config, Spool(config.spool_dir), RequestSettings(), "doctor-sample")
+    backend = config.backend
+    fix = (
+        f"fix {backend.setting_prefix}*/HPC_GPU_RULES/HPC_SCHEDULER_ARGS/HPC_JOB_DIRECTIVES/HPC_JOB_PROLOGUE "
+        "named above"
+    )
+    # The checks of load_config, for a configuration that got past them (built in code): the site's
+    # options, omitted options, directives and submit arguments the bridge can work with.
+    problems = option_problems(
+        config.scheduler,
+        options=config.scheduler_options,
+        scheduler_args=config.scheduler_args,
+        directives=config.job_directives,
+    )
+    if problems:
+        return fail(name, f"the {backend.display_name} batch job cannot be submitted: {'; '.join(problems)}", fix)
     scheduler = _scheduler(config)
     try:
         script = scheduler.render(spec)
     except (ValueError, KeyError) as exc:
-        return fail(
-            name,
-            f"the {scheduler.display_name} batch script does not render for a sample request: {exc}",
-            f"fix {scheduler.setting_prefix}*/HPC_GPU_RULES/HPC_SCHEDULER_ARGS/HPC_JOB_DIRECTIVES/HPC_JOB_PROLOGUE "
-            "named above",
-        )
+        return fail(name, f"the {scheduler.display_name} batch script does not render for a sample request: {exc}", fix)
     leaked = [s for s in config.secrets if contains_secret(script, [s])]
     if leaked:
         return fail(
@@ -624,11 +739,14 @@ def check_template(config: BridgeConfig) -> Check:
             if config.job_prologue
             else "the bridge's template is broken: reinstall hpc-bridge",
         )
-    site = f", {len(config.job_directives)} site directive(s)" if config.job_directives else ""
+    site = f", without {', '.join(scheduler.omit)} ({scheduler.omit_setting})" if scheduler.omit else ""
+    site += f", {len(config.job_directives)} site directive(s)" if config.job_directives else ""
     site += ", the site's prologue" if config.job_prologue else ""
     lines = len(script.splitlines())
     return ok(
-        name, f"{scheduler.display_name} batch script renders for a sample request ({lines} lines{site}, no secret)"
+        name,
+        f"{scheduler.display_name} batch script renders for a sample request ({lines} lines{site}, no secret); "
+        "`hpc-bridge script` prints a request's",
     )
 
 

@@ -1,21 +1,23 @@
 """``hpc-bridge install cron|systemd|logrotate|scrontab``: run the bridge on a schedule, with this
-installation's real paths.
+installation's real paths; ``--remove`` takes it out again.
 
 The files come from the templates in ``bridge/ops/templates/`` (``deploy/systemd/``,
 ``deploy/cron/`` and ``deploy/logrotate/`` link to them): ``string.Template`` placeholders filled
 in with the paths of the installation that runs the command: the ``hpc-bridge`` executable in
-use, the checkout holding ``deploy/run_check`` (``HPC_BRIDGE_HOME``), the credentials file in use,
-the logs, spool and run directories of its configuration, and what the scheduler's commands need
-from the environment (their directory on ``PATH``, Grid Engine's ``SGE_*``).
+use and the ``hpc-bridge-run-check`` beside it, the credentials file in use, the logs, spool and
+run directories of its configuration, and what the scheduler's commands need from the
+environment (their directory on ``PATH``, Grid Engine's ``SGE_*``). Everything is keyed by the
+instance (bridge/instance.py), so two instances under one account never overwrite each other.
 
-- ``cron``: one pass a minute through ``deploy/run_check``, as a block between marker comments
-  in the user's crontab (``crontab -l``/``crontab FILE``), replaced in place when run again.
-- ``systemd``: the daemon (``hpc-bridge.service``, ``Type=notify`` with a watchdog), or with
-  ``--timer`` one pass a minute (``hpc-bridge-check.service`` + ``.timer``); user units in
+- ``cron``: one pass a minute through ``hpc-bridge-run-check``, as a block between marker comments
+  (``# BEGIN hpc-bridge/NAME cron``) in the user's crontab (``crontab -l``/``crontab FILE``),
+  replaced in place when run again.
+- ``systemd``: the daemon (``hpc-bridge@NAME.service``, ``Type=notify`` with a watchdog), or with
+  ``--timer`` one pass a minute (``hpc-bridge-check@NAME.service`` + ``.timer``); user units in
   ``~/.config/systemd/user`` or, with ``--system``, sandboxed system units in
   ``/etc/systemd/system`` that run as the install's owner.
-- ``logrotate``: ``~/.config/hpc-bridge/logrotate.conf`` and a daily crontab block that runs it
-  with a state file of its own (no root), or with ``--system`` ``/etc/logrotate.d/hpc-bridge``.
+- ``logrotate``: ``~/.config/hpc-bridge/NAME/logrotate.conf`` and a daily crontab block that runs
+  it with a state file of its own (no root), or with ``--system`` ``/etc/logrotate.d/hpc-bridge-NAME``.
 - ``scrontab``: the cron line as a Slurm ``scrontab`` entry, for sites that forbid cron on
   login nodes.
 
@@ -42,6 +44,7 @@ from typing import Any
 
 from bridge.atomic import atomic_file
 from bridge.config import BridgeConfig
+from bridge.instance import DEFAULT_INSTANCE, INSTANCE_ENV, Instance
 from bridge.schedulers import scheduler_class
 from bridge.shell import CommandError, CommandNotFound, CommandResult, run_command
 
@@ -50,11 +53,13 @@ them is printed; nothing is enabled behind your back. Run it again after moving 
 changing the credentials file: it rewrites the files (and its crontab block) in place.
 
 examples:
-  hpc-bridge install cron                    # one pass a minute from your crontab (deploy/run_check)
+  hpc-bridge install cron                    # one pass a minute from your crontab (hpc-bridge-run-check)
   hpc-bridge install logrotate               # rotate the logs daily (no root needed)
   hpc-bridge install systemd                 # the daemon as a systemd user unit
   hpc-bridge install systemd --timer --print # show the one-pass-a-minute timer units, write nothing
-  hpc-bridge install systemd --system --print | sudo tee /etc/systemd/system/hpc-bridge.service
+  hpc-bridge install systemd --system --print | sudo tee /etc/systemd/system/hpc-bridge@default.service
+  hpc-bridge --instance sge install cron     # a second bridge (another cluster or Rodan) beside the first
+  hpc-bridge install cron --remove           # take it out again (hpc-bridge uninstall: everything)
   hpc-bridge install scrontab                # Slurm sites without cron on the login node
 """
 
@@ -68,8 +73,10 @@ BASE_PATH = ("/usr/local/bin", "/usr/bin", "/bin")
 SAFE = re.compile(r"[A-Za-z0-9._/+,@=:~-]+")
 LINGER_DIR = Path("/var/lib/systemd/linger")
 SYSTEM_UNIT_DIR = Path("/etc/systemd/system")
-SYSTEM_LOGROTATE = Path("/etc/logrotate.d/hpc-bridge")
-MARK = "hpc-bridge"
+#: The package's crontab entry (bridge/ops/run_check.py), installed beside ``hpc-bridge``.
+RUN_CHECK = "hpc-bridge-run-check"
+#: The crontab marker of an installation from before instances: the default instance's blocks.
+LEGACY_MARK = "hpc-bridge"
 
 
 class InstallError(Exception):
@@ -87,28 +94,28 @@ class InstallError(Exception):
 class Installation:
     """The real paths the rendered files name."""
 
-    home: Path  # HPC_BRIDGE_HOME: the checkout with deploy/run_check (else the credentials' folder)
-    run_check: Path | None
+    home: Path  # where a pass runs (relative settings are relative to it): the credentials file's folder
+    run_check: Path  # the package's hpc-bridge-run-check
     hpc_bridge: Path
     credentials: Path
     run_check_log: Path
     config: BridgeConfig
     user: str
-    config_home: Path  # $XDG_CONFIG_HOME or ~/.config
+    instance: Instance
     environment: tuple[tuple[str, str], ...] = ()  # what the scheduler's commands need
     cron_variables: tuple[tuple[str, str], ...] = field(default=())  # run_check's overrides
 
     @property
     def user_unit_dir(self) -> Path:
-        return self.config_home / "systemd" / "user"
+        return self.instance.config_home / "systemd" / "user"
 
     @property
     def logrotate_conf(self) -> Path:
-        return self.config_home / "hpc-bridge" / "logrotate.conf"
+        return self.instance.logrotate_conf
 
     @property
     def logrotate_state(self) -> Path:
-        return self.config_home / "hpc-bridge" / "logrotate.state"
+        return self.instance.logrotate_state
 
     def at_home(self, path: Path) -> Path:
         """``path`` as the bridge sees it: cron (run_check) and systemd start it in ``home``."""
@@ -138,44 +145,53 @@ class Installation:
         return unique
 
 
-def locate(config: BridgeConfig, environ: Mapping[str, str] | None = None) -> Installation:
-    """This installation, as the process running ``hpc-bridge install`` sees it."""
+def locate(
+    config: BridgeConfig, environ: Mapping[str, str] | None = None, *, require_run_check: bool = True
+) -> Installation:
+    """This installation, as the process running ``hpc-bridge install`` sees it (``require_run_check``:
+    refuse one without ``hpc-bridge-run-check``, which the crontab line runs)."""
     env = dict(os.environ if environ is None else environ)
     if config.credentials_file is None:
         raise InstallError(
             "install needs a credentials file (the settings came from the environment only, which cron "
-            "and systemd do not give): pass --credentials FILE",
+            "and systemd do not give): pass --credentials FILE, or put it in ~/.config/hpc-bridge/INSTANCE/",
             2,
         )
+    instance = Instance.from_environment(config.instance, env)
     credentials = config.credentials_file.absolute()
-    home = _home(env)
-    run_check = home / "deploy" / "run_check" if home is not None else None
-    if home is None:
-        home = credentials.parent
+    home = Path(env["HPC_BRIDGE_HOME"]).expanduser().absolute() if env.get("HPC_BRIDGE_HOME") else credentials.parent
     hpc_bridge = _executable(env)
+    run_check = hpc_bridge.parent / RUN_CHECK
+    if require_run_check and not (run_check.is_file() and os.access(run_check, os.X_OK)):
+        raise InstallError(
+            f"no {RUN_CHECK} beside {hpc_bridge}: install the package into that environment again "
+            "(pip install hpc-bridge, or the wheel), which creates it",
+            2,
+        )
     log = Path(env["HPC_BRIDGE_LOG"]).expanduser().absolute() if env.get("HPC_BRIDGE_LOG") else None
     account = pwd.getpwuid(os.getuid())
-    config_home = Path(env["XDG_CONFIG_HOME"]) if env.get("XDG_CONFIG_HOME") else Path.home() / ".config"
 
-    cron: list[tuple[str, str]] = []  # what run_check would not find by itself
-    if run_check is not None:
-        if run_check.resolve().parent.parent != home.resolve():
-            cron.append(("HPC_BRIDGE_HOME", str(home)))
-        if not _same(home / ".venv" / "bin" / "hpc-bridge", hpc_bridge):
-            cron.append(("HPC_BRIDGE_EXE", str(hpc_bridge)))
-        if not _same(home / "credentials.env", credentials):
-            cron.append(("HPC_BRIDGE_CREDENTIALS", str(credentials)))
-        if log is not None:
-            cron.append(("HPC_BRIDGE_LOG", str(log)))
+    cron: list[tuple[str, str]] = []  # what run_check would not find by itself (cron gives HOME only)
+    if not instance.is_default:
+        cron.append((INSTANCE_ENV, instance.name))
+    for name, default in (("XDG_CONFIG_HOME", ".config"), ("XDG_STATE_HOME", ".local/state")):
+        if env.get(name) and Path(env[name]).absolute() != instance.home / default:
+            cron.append((name, str(Path(env[name]).absolute())))
+    if not _same(instance.credentials, credentials):
+        cron.append(("HPC_BRIDGE_CREDENTIALS", str(credentials)))
+    if home != credentials.parent:
+        cron.append(("HPC_BRIDGE_HOME", str(home)))
+    if log is not None:
+        cron.append(("HPC_BRIDGE_LOG", str(log)))
     installation = Installation(
         home=home,
         run_check=run_check,
         hpc_bridge=hpc_bridge,
         credentials=credentials,
-        run_check_log=log or home / "logs" / "run_check.log",
+        run_check_log=log or instance.run_check_log,
         config=config,
         user=account.pw_name,
-        config_home=config_home.absolute(),
+        instance=instance,
         environment=tuple(scheduler_environment(config.scheduler, env)),
         cron_variables=tuple(cron),
     )
@@ -185,27 +201,13 @@ def locate(config: BridgeConfig, environ: Mapping[str, str] | None = None) -> In
         installation.credentials,
         *installation.logs,
         *installation.writable,
-        installation.config_home,
-        *([run_check] if run_check else []),
+        instance.config_home,
+        run_check,
     ]:
         safe(str(path), "path")
     for name, value in installation.environment:
         safe(value, name)
     return installation
-
-
-def _home(env: Mapping[str, str]) -> Path | None:
-    """The checkout holding deploy/run_check: HPC_BRIDGE_HOME, the venv's parent, or this package's."""
-    if env.get("HPC_BRIDGE_HOME"):
-        home = Path(env["HPC_BRIDGE_HOME"]).expanduser().absolute()
-        if not (home / "deploy" / "run_check").is_file():
-            raise InstallError(f"HPC_BRIDGE_HOME={home} holds no deploy/run_check", 2)
-        return home
-    candidates = []
-    if sys.prefix != sys.base_prefix:  # a virtual environment, e.g. ~/hpc-bridge/.venv
-        candidates.append(Path(sys.prefix).absolute().parent)
-    candidates.append(Path(__file__).resolve().parents[2])  # a checkout this package runs from
-    return next((c for c in candidates if (c / "deploy" / "run_check").is_file()), None)
 
 
 def _executable(env: Mapping[str, str]) -> Path:
@@ -293,34 +295,38 @@ class Output:
     mode: int = 0o644
     table: str = ""
     block: str = ""
+    marks: tuple[str, ...] = (LEGACY_MARK,)  # the block's marker owner; the first is written (block_marks)
+
+
+def block_marks(instance: Instance) -> tuple[str, ...]:
+    """The marker owners of ``instance``'s crontab blocks: ``hpc-bridge/NAME``; the default instance
+    also takes over a block written before instances existed (``# BEGIN hpc-bridge cron``)."""
+    return (instance.mark, LEGACY_MARK) if instance.is_default else (instance.mark,)
 
 
 def cron_command(inst: Installation) -> str:
     """The crontab line's command: run_check, with the locations it would not find by itself."""
-    if inst.run_check is None:
-        raise InstallError(
-            "no deploy/run_check found next to this hpc-bridge (its virtual environment's folder or "
-            "checkout): set HPC_BRIDGE_HOME to the checkout that holds deploy/run_check",
-            2,
-        )
     variables = [*inst.cron_variables, *inst.environment]
     return " ".join([*(f"{name}={value}" for name, value in variables), str(inst.run_check)])
 
 
 def render_cron(inst: Installation) -> Output:
-    return Output(None, render("crontab", {"command": cron_command(inst)}), table="crontab", block="cron")
+    text = render("crontab", {"command": cron_command(inst)})
+    return Output(None, text, table="crontab", block="cron", marks=block_marks(inst.instance))
 
 
 def render_scrontab(inst: Installation) -> Output:
     options = []
-    if inst.config.site_option("HPC_SLURM_ACCOUNT"):
-        options.append(f"#SCRON --account={safe(inst.config.site_option('HPC_SLURM_ACCOUNT'), 'HPC_SLURM_ACCOUNT')}")
+    for setting, option in (("HPC_SLURM_ACCOUNT", "--account"), ("HPC_SLURM_QOS", "--qos")):
+        if inst.config.site_option(setting):
+            options.append(f"#SCRON {option}={safe(inst.config.site_option(setting), setting)}")
     values = {
         "command": cron_command(inst),
         "output": str(inst.run_check_log.parent / "scrontab.out"),
         "options": "\n".join(options),
     }
-    return Output(None, render("scrontab", values), table="scrontab", block="scrontab")
+    text = render("scrontab", values)
+    return Output(None, text, table="scrontab", block="scrontab", marks=block_marks(inst.instance))
 
 
 def logrotate_program() -> str:
@@ -338,19 +344,19 @@ def render_logrotate(inst: Installation, *, system: bool) -> list[Output]:
         su = f"    su {user} {grp.getgrgid(pwd.getpwnam(user).pw_gid).gr_name}"
     values = {"logs": "\n".join(str(p) for p in inst.logs), "su": su}
     if system:
-        path = SYSTEM_LOGROTATE
+        path = inst.instance.system_logrotate
         return [Output(path, _header(path, command) + render("logrotate", values), 0o644)]
     conf = inst.logrotate_conf
     line = render("crontab-logrotate", {"command": f"{logrotate_program()} -s {inst.logrotate_state} {conf}"})
     return [
         Output(conf, _header(conf, command) + render("logrotate", values), 0o600),
-        Output(None, line, table="crontab", block="logrotate"),
+        Output(None, line, table="crontab", block="logrotate", marks=block_marks(inst.instance)),
     ]
 
 
 def render_systemd(inst: Installation, *, system: bool, timer: bool) -> list[Output]:
     command = "hpc-bridge install systemd" + (" --system" if system else "") + (" --timer" if timer else "")
-    docs = inst.home / "deploy" / "systemd" / "README.md"
+    docs = Path(__file__).resolve().parents[2] / "deploy" / "systemd" / "README.md"  # in a checkout only
     environment = [f"Environment={name}={value}" for name, value in inst.environment]
     if system:
         user = system_account(inst)
@@ -388,18 +394,26 @@ def render_systemd(inst: Installation, *, system: bool, timer: bool) -> list[Out
         "home": str(inst.home),
         "hpc_bridge": str(inst.hpc_bridge),
         "credentials": str(inst.credentials),
+        "instance": inst.instance.name,
+        "check_service": inst.instance.check_service,
         "environment": "\n".join(environment),
         "sandbox": sandbox,
         "wanted_by": wanted_by,
     }
-    names = ["hpc-bridge-check.service", "hpc-bridge-check.timer"] if timer else ["hpc-bridge.service"]
     edit = "systemctl edit" if system else "systemctl --user edit"
     outputs = []
-    for name in names:
+    for template_name, name in unit_files(inst.instance, timer=timer):
         note = f"Site additions (PATH, SSL_CERT_FILE) go in a drop-in, which survives that: {edit} {name}"
         header = _header(directory / name, command, note if name.endswith(".service") else "")
-        outputs.append(Output(directory / name, header + render(name, values), 0o644))
+        outputs.append(Output(directory / name, header + render(template_name, values), 0o644))
     return outputs
+
+
+def unit_files(instance: Instance, *, timer: bool) -> list[tuple[str, str]]:
+    """(template, unit file name) of the daemon, or of the one-pass timer and its service."""
+    if timer:
+        return [("hpc-bridge-check.service", instance.check_service), ("hpc-bridge-check.timer", instance.check_timer)]
+    return [("hpc-bridge.service", instance.daemon_unit)]
 
 
 def system_account(inst: Installation) -> str:
@@ -419,42 +433,51 @@ def system_account(inst: Installation) -> str:
 # --- crontab blocks ---------------------------------------------------------------------------------
 
 
-def begin_marker(block: str) -> str:
-    return f"# BEGIN {MARK} {block}"
+def begin_marker(block: str, mark: str = LEGACY_MARK) -> str:
+    return f"# BEGIN {mark} {block}"
 
 
-def end_marker(block: str) -> str:
-    return f"# END {MARK} {block}"
+def end_marker(block: str, mark: str = LEGACY_MARK) -> str:
+    return f"# END {mark} {block}"
 
 
-def framed(block: str, body: str) -> str:
+def framed(block: str, body: str, mark: str = LEGACY_MARK) -> str:
     command = {"cron": "install cron", "logrotate": "install logrotate", "scrontab": "install scrontab"}[block]
+    instance = mark.partition("/")[2]
+    if instance and instance != DEFAULT_INSTANCE:
+        command = f"--instance {instance} {command}"
     return (
-        f"{begin_marker(block)}: written by `hpc-bridge {command}` (run it again to rewrite this block, "
-        f"with --remove to take it out)\n{body}{end_marker(block)}\n"
+        f"{begin_marker(block, mark)}: written by `hpc-bridge {command}` (run it again to rewrite this block, "
+        f"with --remove to take it out)\n{body}{end_marker(block, mark)}\n"
     )
 
 
-def replace_block(table: str, block: str, text: str | None) -> str:
+def replace_block(table: str, block: str, text: str | None, marks: tuple[str, ...] = (LEGACY_MARK,)) -> str:
     """``table`` with the lines between ``block``'s markers replaced by ``text`` (None: removed).
 
-    The block keeps its place; a new one goes at the end.
+    The block keeps its place; a new one goes at the end. ``marks``: the marker owners to look
+    for, in order (the first one found is the block; another instance's never matches).
     """
     lines = table.splitlines(keepends=True)
-    begin = re.compile(rf"{re.escape(begin_marker(block))}(\W|$)")
-    end = re.compile(rf"{re.escape(end_marker(block))}\s*$")
-    starts = [i for i, line in enumerate(lines) if begin.match(line)]
+    for mark in marks:
+        begin = re.compile(rf"{re.escape(begin_marker(block, mark))}(:|\s*$)")
+        end = re.compile(rf"{re.escape(end_marker(block, mark))}\s*$")
+        starts = [i for i, line in enumerate(lines) if begin.match(line)]
+        if starts:
+            break
     if not starts:
         if text is None:
             return table
         prefix = table if not table or table.endswith("\n") else table + "\n"
         return prefix + text
     if len(starts) > 1:
-        raise InstallError(f"the table holds '{begin_marker(block)}' {len(starts)} times: keep one (crontab -e)")
+        raise InstallError(f"the table holds '{begin_marker(block, mark)}' {len(starts)} times: keep one (crontab -e)")
     start = starts[0]
     stop = next((i for i in range(start + 1, len(lines)) if end.match(lines[i])), None)
     if stop is None:
-        raise InstallError(f"the table has '{begin_marker(block)}' without '{end_marker(block)}': fix it (crontab -e)")
+        raise InstallError(
+            f"the table has '{begin_marker(block, mark)}' without '{end_marker(block, mark)}': fix it (crontab -e)"
+        )
     return "".join(lines[:start]) + (text or "") + "".join(lines[stop + 1 :])
 
 
@@ -513,24 +536,29 @@ def write_file(output: Output) -> bool:
     return True
 
 
-def apply_block(output: Output, *, remove: bool = False, stray: str = "", runner: Runner = run_command) -> list[str]:
+def apply_block(
+    output: Output, *, remove: bool = False, stray: tuple[str, ...] = (), runner: Runner = run_command
+) -> list[str]:
     """Put ``output``'s block in the user's crontab/scrontab (or take it out); what changed, in words.
 
     A line outside the block that holds ``stray`` (e.g. run_check's path, from a hand-made crontab
     line) is pointed out, not removed: it would run a second pass each minute.
     """
     current = read_table(output.table, runner)
-    new = replace_block(current, output.block, None if remove else framed(output.block, output.text))
+    new = replace_block(
+        current, output.block, None if remove else framed(output.block, output.text, output.marks[0]), output.marks
+    )
     said: list[str] = []
     if new == current:
         said.append(f"{output.table}: already {'without' if remove else 'holds'} the {output.block} block (unchanged)")
     else:
         write_table(output.table, new, runner)
-        verb = "removed the" if remove else ("replaced the" if begin_marker(output.block) in current else "added the")
+        before = replace_block(current, output.block, None, output.marks) != current
+        verb = "removed the" if remove else ("replaced the" if before else "added the")
         said.append(f"{output.table}: {verb} {output.block} block ({output.table} -l shows it)")
-    outside = replace_block(new, output.block, None)
+    outside = replace_block(new, output.block, None, output.marks)
     for line in outside.splitlines():
-        if stray and stray in line and not line.lstrip().startswith("#"):
+        if any(s in line for s in stray) and not line.lstrip().startswith("#"):
             said.append(f"note: your {output.table} also runs it outside the block, remove that line: {line}")
     return said
 
@@ -583,7 +611,10 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--timer", action="store_true", help="systemd: one pass a minute from a timer instead of the daemon")
     p.add_argument(
-        "--remove", action="store_true", help="cron, logrotate, scrontab: take this block out of the table again"
+        "--remove",
+        action="store_true",
+        help="take it out again: the crontab/scrontab block, the logrotate block and file, or the systemd units "
+        "(disabled and stopped first)",
     )
     p.set_defaults(operator=run)
 
@@ -604,13 +635,10 @@ def install(config: BridgeConfig, args: argparse.Namespace, environ: Mapping[str
         raise InstallError(f"--system is for systemd and logrotate, not {target}", 2)
     if args.timer and target != "systemd":
         raise InstallError("--timer is for systemd", 2)
-    if args.remove and (target == "systemd" or args.system):
-        raise InstallError(
-            "--remove is for the crontab blocks (cron, logrotate, scrontab); for systemd: "
-            "systemctl --user disable --now hpc-bridge.service, then delete the unit file",
-            2,
-        )
     inst = locate(config, environ)
+    if args.remove:
+        _say(remove(inst, target, system=args.system), sys.stdout)
+        return 0
     if target == "cron":
         outputs = [render_cron(inst)]
     elif target == "scrontab":
@@ -622,21 +650,17 @@ def install(config: BridgeConfig, args: argparse.Namespace, environ: Mapping[str
 
     if args.print_only:
         for output in outputs:
-            text = framed(output.block, output.text) if output.table else output.text
+            text = framed(output.block, output.text, output.marks[0]) if output.table else output.text
             print(text, end="")
             where = f"into your {output.table} (`{output.table} -l`)" if output.table else str(output.path)
             print(f"hpc-bridge install: would write this {where}", file=sys.stderr)
         _say(_enable_hints(inst, args), sys.stderr)
         return 0
 
-    stray = str(inst.run_check) if target in ("cron", "scrontab") and inst.run_check else ""
-    if args.remove:
-        for output in outputs:
-            if output.table:
-                _say(apply_block(output, remove=True, stray=stray), sys.stdout)
-        if target == "logrotate":
-            print(f"left {inst.logrotate_conf} in place (delete it if you like)")
-        return 0
+    # A hand-made line running this run_check, or an old checkout's deploy/run_check, would be a second pass.
+    stray = (str(inst.run_check), "deploy/run_check") if target in ("cron", "scrontab") else ()
+    if target == "cron" and inst.instance.is_default:
+        _say(legacy_notes(read_table("crontab"), inst), sys.stdout)
     for output in outputs:
         if output.table:
             _say(apply_block(output, stray=stray), sys.stdout)
@@ -645,6 +669,66 @@ def install(config: BridgeConfig, args: argparse.Namespace, environ: Mapping[str
             print(f"{'wrote' if changed else 'unchanged'} {output.path}")
     _say(_enable_hints(inst, args), sys.stdout)
     return 0
+
+
+def remove(inst: Installation, target: str, *, system: bool = False, runner: Runner = run_command) -> list[str]:
+    """Take out what ``install TARGET`` wrote for this instance; what was done, in words.
+
+    cron, scrontab: the instance's block. logrotate: its block and its configuration file (with
+    ``system``: /etc/logrotate.d/hpc-bridge-NAME). systemd: the instance's units, daemon and timer,
+    disabled and stopped first (``systemctl``; where that cannot be done here, the command is
+    said), then deleted. Whatever was not there is said so, never an error.
+    """
+    said: list[str] = []
+    if target in ("cron", "scrontab"):
+        output = render_cron(inst) if target == "cron" else render_scrontab(inst)
+        said += apply_block(output, remove=True, runner=runner)
+    elif target == "logrotate":
+        files = [inst.instance.system_logrotate] if system else [inst.logrotate_conf, inst.logrotate_state]
+        if not system:
+            said += apply_block(render_logrotate(inst, system=False)[1], remove=True, runner=runner)
+        said += [_delete(path) for path in files]
+    else:
+        manager = ["systemctl"] if system else ["systemctl", "--user"]
+        folder = SYSTEM_UNIT_DIR if system else inst.user_unit_dir
+        units = [name for timer in (False, True) for _template, name in unit_files(inst.instance, timer=timer)]
+        present = [unit for unit in units if (folder / unit).exists()]
+        for unit in (u for u in present if u != inst.instance.check_service):  # the timer starts that one
+            said.append(_systemctl([*manager, "disable", "--now", unit], runner))
+        said += [_delete(folder / unit) for unit in units]
+        if present:
+            said.append(_systemctl([*manager, "daemon-reload"], runner))
+    return said
+
+
+def _delete(path: Path) -> str:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return f"{path}: not there (unchanged)"
+    except OSError as exc:
+        raise InstallError(f"cannot delete {path}: {exc.strerror or exc}") from None
+    return f"deleted {path}"
+
+
+def _systemctl(argv: list[str], runner: Runner) -> str:
+    """Run a systemctl command; where it cannot run here, say the command to run."""
+    try:
+        runner(argv, timeout=60.0)
+    except CommandError as exc:
+        return f"could not run `{' '.join(argv)}` here ({exc.reason}): run it where the units run"
+    return f"ran `{' '.join(argv)}`"
+
+
+def legacy_notes(table: str, inst: Installation) -> list[str]:
+    """What an old checkout's crontab block did that the new line does not (its block is taken over)."""
+    if not re.search(rf"^{re.escape(begin_marker('cron'))}(:|\s*$)", table, re.M):
+        return []
+    return [
+        "note: this replaces the block of an installation from a checkout (deploy/run_check); its "
+        f"deploy/site-env.sh, if you had one, now belongs in {inst.instance.site_env}, and run_check's log "
+        f"moves to {inst.run_check_log}"
+    ]
 
 
 def _say(lines: list[str], stream: Any) -> None:
@@ -657,10 +741,11 @@ def _enable_hints(inst: Installation, args: argparse.Namespace) -> list[str]:
     hints: list[str] = []
     target = args.target
     if target == "systemd":
-        unit = "hpc-bridge-check.timer" if args.timer else "hpc-bridge.service"
+        instance = inst.instance
+        unit = instance.check_timer if args.timer else instance.daemon_unit
         manager = "systemctl" if args.system else "systemctl --user"
         hints.append(f"enable it: {manager} daemon-reload && {manager} enable --now {unit}")
-        other = "hpc-bridge.service" if args.timer else "hpc-bridge-check.timer"
+        other = instance.daemon_unit if args.timer else instance.check_timer
         folder = SYSTEM_UNIT_DIR if args.system else inst.user_unit_dir
         if (folder / other).exists():
             hints.append(f"note: {folder / other} is installed too; run one of them ({manager} disable --now {other})")
@@ -672,7 +757,7 @@ def _enable_hints(inst: Installation, args: argparse.Namespace) -> list[str]:
                     f"({'it is off' if state is False else 'cannot tell whether it is'}): "
                     f"loginctl enable-linger {inst.user}   (some sites reserve this for admins: ask them)"
                 )
-        service = "hpc-bridge-check" if args.timer else "hpc-bridge"
+        service = instance.check_service if args.timer else instance.daemon_unit
         journal = "journalctl" if args.system else "journalctl --user"
         hints.append(f"then: {manager} status {unit}; {journal} -u {service}")
     elif target == "cron":

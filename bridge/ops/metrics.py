@@ -4,6 +4,10 @@ Written atomically to ``HPC_METRICS_FILE`` (mode 0644, for node_exporter's textf
 at the end of every ``check`` pass and every reconciliation of ``run``. No client library is
 needed: the text format is simple enough to write by hand.
 
+Every sample of an instance other than ``default`` (bridge/instance.py) carries the label
+``bridge="NAME"``: two instances' files in one textfile directory then never hold the same series
+(node_exporter refuses a series collected twice), and the default instance's names stay as they were.
+
 node_exporter runs as a user of its own, in no lab's group, so the file is world-readable (it
 holds counts, no names and no secrets), and the folders the bridge makes for it are 0755, also
 under cron's ``umask 077``. A folder that exists already is left as it is: the operator's to open.
@@ -19,6 +23,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from bridge.instance import DEFAULT_INSTANCE
 from bridge.ledger import RequestRecord, RequestState
 from bridge.schedulers import job_state_value
 from bridge.spool import Spool, atomic_write
@@ -118,6 +123,7 @@ def render(
     reconciliations: int | None = None,
     broker_reconnects: int | None = None,
     now: float | None = None,
+    instance: str = DEFAULT_INSTANCE,
 ) -> str:
     """The metrics in Prometheus text format. ``job_states``: correlation id -> scheduler state."""
     items = list(records)
@@ -181,14 +187,36 @@ def render(
         lines.append(f"hpc_bridge_broker_reconnects_total {broker_reconnects}")
     family("hpc_bridge_metrics_timestamp_seconds", "gauge", "When these metrics were written (Unix time).")
     lines.append(f"hpc_bridge_metrics_timestamp_seconds {_fmt(round(clock, 3))}")
+    if instance != DEFAULT_INSTANCE:
+        lines = [line if line.startswith("#") else labelled(line, "bridge", instance) for line in lines]
     return "\n".join(lines) + "\n"
 
 
+def labelled(sample: str, name: str, value: str) -> str:
+    """A sample line (``metric{a="b"} 1`` or ``metric 1``) with one more label, placed first."""
+    metric, _, rest = sample.partition(" ")
+    base, brace, labels = metric.partition("{")
+    inner = f'{name}="{value}"' + ("," + labels if brace and labels != "}" else "}")
+    return f"{base}{{{inner} {rest}"
+
+
 def write_metrics(
-    path: Path, records: Iterable[RequestRecord], *, outbox: int, reconciliations: int, broker_reconnects: int
+    path: Path,
+    records: Iterable[RequestRecord],
+    *,
+    outbox: int,
+    reconciliations: int,
+    broker_reconnects: int,
+    instance: str = DEFAULT_INSTANCE,
 ) -> None:
     """Replace ``path`` atomically with the current metrics (0644: node_exporter reads it)."""
-    text = render(records, outbox=outbox, reconciliations=reconciliations, broker_reconnects=broker_reconnects)
+    text = render(
+        records,
+        outbox=outbox,
+        reconciliations=reconciliations,
+        broker_reconnects=broker_reconnects,
+        instance=instance,
+    )
     make_readable_folder(path.parent)
     atomic_write(path, text.encode("utf-8"), mode=0o644)
 

@@ -10,7 +10,10 @@ instead of ``python -m worker run``, and the resources: one CPU, ``--job-memory`
 The login side writes the probe folder (``SPOOL/jobs/doctor-probe-ID/``: a random token, the probe
 file, a lock it holds while waiting), submits, waits (reporting the scheduler's reason while the
 job is pending, and cancelling it when ``--job-timeout`` runs out), and turns the node's findings
-(``result.json``, see worker/probe.py) into doctor's lines. The probe file holds nothing secret.
+(``result.json``, see worker/probe.py) into doctor's lines. The probe file and the findings are
+typed records of bridge/handoff.py (:class:`~bridge.handoff.ProbeParameters`,
+:class:`~bridge.handoff.ProbeResult`), as are the folder's file names. The probe file holds
+nothing secret.
 The folder is removed when every check passed, and kept (its path in the ``probe-job`` line) when
 one did not, with the job's output in it.
 """
@@ -25,7 +28,7 @@ import shutil
 import sys
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -35,8 +38,26 @@ import structlog
 
 from bridge.config import BridgeConfig
 from bridge.errors import SchedulerRejected, SchedulerUnavailable
+from bridge.handoff import (
+    DEFAULT_PROBE_MIN_SCRATCH_BYTES,
+    PROBE_CHECKS,
+    PROBE_FILE,
+    PROBE_HELD_LOCK_FILE,
+    PROBE_MODULE,
+    PROBE_RESULT_FILE,
+    PROBE_RESULT_MARKER,
+    PROBE_RODAN_TIMEOUT_S,
+    PROBE_SCRIPT_FILE,
+    PROBE_TOKEN_FILE,
+    BrokerAddress,
+    ProbeContinuation,
+    ProbeFinding,
+    ProbeParameters,
+    ProbeResult,
+    SchedulerAccess,
+)
 from bridge.intake import rodan_job_spec
-from bridge.ops.doctor import Check, fail, ok, skip
+from bridge.ops.checks import Check, fail, from_finding, ok, skip
 from bridge.protocol import RequestSettings
 from bridge.schedulers import BACKENDS, JobInfo, JobSpec, JobState, Scheduler, format_duration, get_scheduler
 from bridge.spool import Spool, atomic_write, atomic_write_json, read_json
@@ -47,16 +68,7 @@ log = structlog.get_logger(__name__)
 PROBE_MINUTES = 5
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_MEMORY_MB = 4096
-DEFAULT_MIN_SCRATCH_GB = 2.0
-#: How long the node may take to import TensorFlow before the worker check fails.
-TF_TIMEOUT_S = 180.0
-#: The node's checks, in the order doctor prints them (``node-NAME``).
-NODE_CHECKS = ("spool", "lock", "worker", "scratch", "rodan", "broker", "continue")
-#: Names and strings shared with worker/probe.py (the node side; bridge never imports worker).
-RESULT_NAME = "result.json"
-TOKEN_NAME = "from-login"
-HELD_LOCK_NAME = "held.lock"
-RESULT_MARKER = "HPC-PROBE-RESULT "
+DEFAULT_MIN_SCRATCH_GB = DEFAULT_PROBE_MIN_SCRATCH_BYTES / 2**30
 KEY_PREFIX = "doctor-probe-"
 #: The backends' own settings, for fixes: ``HPC_SLURM_*/HPC_SGE_*``.
 _SITE_SETTINGS = "/".join(f"{cls.setting_prefix}*" for cls in BACKENDS.values())
@@ -123,7 +135,11 @@ def doctor_checks(config: BridgeConfig | None, earlier: Sequence[Check], options
 
 
 def skipped(why: str) -> list[Check]:
-    return [skip("probe-job", why), *(skip(f"node-{name}", why) for name in NODE_CHECKS)]
+    return [skip("probe-job", why), *_node_skips(why)]
+
+
+def _node_skips(why: str) -> list[Check]:
+    return [skip(f"node-{name}", why) for name in PROBE_CHECKS]
 
 
 # --- the probe job -----------------------------------------------------------------------------
@@ -134,7 +150,7 @@ def probe_spec(config: BridgeConfig, spool: Spool, key: str, memory_mb: int) -> 
     with the same (pinned) worker interpreter instead of the worker."""
     settings = RequestSettings(max_time=format_duration(PROBE_MINUTES), max_memory_mb=memory_mb, cpus=1)
     spec = rodan_job_spec(config, spool, settings, key)
-    return replace(spec, command=(spec.command[0], "-m", "worker.probe", str(spool.job_dir(key) / "probe.json")))
+    return replace(spec, command=(spec.command[0], "-m", PROBE_MODULE, str(spool.job_dir(key) / PROBE_FILE)))
 
 
 def broker_address(url: str) -> tuple[str, int]:
@@ -145,41 +161,41 @@ def broker_address(url: str) -> tuple[str, int]:
 
 def probe_parameters(
     config: BridgeConfig, scheduler: Scheduler, spool: Spool, probe_dir: Path, spec: JobSpec, options: ProbeOptions
-) -> dict[str, Any]:
+) -> ProbeParameters:
     """The probe file: what the node checks, and nothing secret."""
     host, port = broker_address(config.broker_url)
-    runs = config.runs_dir or spool.root / "runs"
-    params: dict[str, Any] = {
-        "dir": str(probe_dir),
-        "write_dirs": {
-            "probe folder": str(probe_dir),
-            "outbox": str(spool.outbox_dir),
-            "jobs": str(spool.root / "jobs"),
-            "params": str(spool.root / "params"),
-            "runs": str(runs),
-        },
-        "gpus_asked": spec.gpus,
-        "gres": spec.gres or "",
-        "node_local_dir": str(config.node_local_dir) if config.node_local_dir else None,
-        "min_scratch_bytes": options.min_scratch_bytes,
-        "rodan_url": config.rodan_base_url,
-        "rodan_timeout_s": min(config.rodan_timeout_s, 15.0),
-        "broker": {"host": host, "port": port},
-        "tf_timeout_s": TF_TIMEOUT_S,
-    }
+    continuation, skipped_why = None, ""
     if spec.warn_seconds and config.max_continuations:
-        params["continue"] = {
-            "mode": scheduler.continues_by(spec),
-            "scheduler": scheduler.name,
-            "options": config.scheduler_options,
-            "timeout_s": config.scheduler_timeout_s,
-            "script": str(probe_dir / "job.sh"),
-            "spec": spec.to_json(),
-        }
+        access = SchedulerAccess(
+            scheduler=scheduler.name,
+            options=config.scheduler_options,
+            timeout_s=config.scheduler_timeout_s,
+            script=probe_dir / PROBE_SCRIPT_FILE,
+            spec=spec,
+        )
+        continuation = ProbeContinuation(mode=scheduler.continues_by(spec), job=access)
     else:
         why = "HPC_WARN_SECONDS=0" if not spec.warn_seconds else "HPC_MAX_CONTINUATIONS=0"
-        params["continue_skipped"] = f"{why}: jobs never continue past their time limit"
-    return params
+        skipped_why = f"{why}: jobs never continue past their time limit"
+    return ProbeParameters(
+        dir=probe_dir,
+        write_dirs={
+            "probe folder": probe_dir,
+            "outbox": spool.outbox_dir,
+            "jobs": spool.root / "jobs",
+            "params": spool.root / "params",
+            "runs": config.runs_dir or spool.root / "runs",
+        },
+        gpus_asked=spec.gpus,
+        gres=spec.gres or "",
+        node_local_dir=config.node_local_dir,
+        min_scratch_bytes=options.min_scratch_bytes,
+        rodan_url=config.rodan_base_url,
+        rodan_timeout_s=min(config.rodan_timeout_s, PROBE_RODAN_TIMEOUT_S),
+        broker=BrokerAddress(host=host, port=port),
+        continuation=continuation,
+        continuation_skipped=skipped_why,
+    )
 
 
 @dataclass
@@ -187,7 +203,8 @@ class Outcome:
     """What the wait found."""
 
     job_id: str = ""
-    result: dict[str, Any] | None = None
+    result: ProbeResult | None = None
+    unreadable: str = ""  # why the node's findings could not be read (another hpc-bridge version's)
     info: JobInfo | None = None  # the last state the scheduler gave
     queued_s: float = 0.0
     ran_s: float = 0.0
@@ -217,30 +234,37 @@ def run_probe(
     probe_dir = spool.job_dir(key)
     probe_dir.mkdir(parents=True, mode=0o700)
     token = uuid.uuid4().hex
-    atomic_write(probe_dir / TOKEN_NAME, f"{token}\n".encode())
+    atomic_write(probe_dir / PROBE_TOKEN_FILE, f"{token}\n".encode())
     try:
         spec = probe_spec(config, spool, key, options.memory_mb)
         script = scheduler.render(spec)
     except (ValueError, KeyError) as exc:
         shutil.rmtree(probe_dir, ignore_errors=True)
-        return [fail("probe-job", f"the probe job's batch script does not render: {exc}", "see the template check")]
+        return [
+            fail("probe-job", f"the probe job's batch script does not render: {exc}", "see the template check"),
+            *_node_skips("no probe job"),
+        ]
     if any(secret in script for secret in config.secrets):
         shutil.rmtree(probe_dir, ignore_errors=True)
-        return [fail("probe-job", "the rendered batch script contains a secret", "see the template check")]
-    atomic_write_json(probe_dir / "probe.json", probe_parameters(config, scheduler, spool, probe_dir, spec, options))
-    atomic_write(probe_dir / "job.sh", script.encode("utf-8"), mode=0o700)
-    held = os.open(probe_dir / HELD_LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+        return [
+            fail("probe-job", "the rendered batch script contains a secret", "see the template check"),
+            *_node_skips("no probe job"),
+        ]
+    params = probe_parameters(config, scheduler, spool, probe_dir, spec, options)
+    atomic_write_json(params.path(PROBE_FILE), params.to_json())
+    atomic_write(params.path(PROBE_SCRIPT_FILE), script.encode("utf-8"), mode=0o700)
+    held = os.open(params.path(PROBE_HELD_LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o600)
     outcome = Outcome()
     try:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         try:
-            outcome.job_id = scheduler.submit(probe_dir / "job.sh", spec)
+            outcome.job_id = scheduler.submit(params.path(PROBE_SCRIPT_FILE), spec)
         except SchedulerRejected as exc:
             return _refused(label, str(exc), spec, probe_dir)
         except SchedulerUnavailable as exc:
             return [
                 fail("probe-job", f"{label} did not take the probe job: {exc}", "see the scheduler check"),
-                *(skip(f"node-{name}", "no probe job") for name in NODE_CHECKS),
+                *_node_skips("no probe job"),
             ]
         log.info("probe_submitted", job_id=outcome.job_id, scheduler=scheduler.name, probe=key)
         say(f"probe: {label} job {outcome.job_id} submitted; waiting up to {options.timeout_s:g} s")
@@ -273,24 +297,31 @@ def _refused(label: str, reason: str, spec: JobSpec, probe_dir: Path) -> list[Ch
             f"directive it names ({_SITE_SETTINGS}, HPC_GPU_RULES, HPC_JOB_DIRECTIVES, HPC_SCHEDULER_ARGS), "
             "or lower --job-memory",
         ),
-        *(skip(f"node-{name}", "no probe job") for name in NODE_CHECKS),
+        *_node_skips("no probe job"),
     ]
 
 
-def read_result(probe_dir: Path, log_file: Path | None) -> dict[str, Any] | None:
-    """The node's findings: ``result.json``, else the last result line in the job's output."""
-    with contextlib.suppress(OSError, ValueError):
-        data = read_json(probe_dir / RESULT_NAME)
-        if isinstance(data, dict):
-            return data
-    if log_file is not None:
+def read_result(probe_dir: Path, log_file: Path | None) -> ProbeResult | None:
+    """The node's findings: ``result.json``, else the last result line in the job's output; None
+    while there are none. A ValueError when they are there but cannot be read (another version's)."""
+    data: Any = None
+    with contextlib.suppress(OSError, ValueError):  # not written yet (written whole: atomic_write_json)
+        data = read_json(probe_dir / PROBE_RESULT_FILE)
+    if data is None and log_file is not None:
         with contextlib.suppress(OSError, ValueError):
-            lines = [ln for ln in log_file.read_text(errors="replace").splitlines() if ln.startswith(RESULT_MARKER)]
+            text = log_file.read_text(errors="replace")
+            lines = [ln for ln in text.splitlines() if ln.startswith(PROBE_RESULT_MARKER)]
             if lines:
-                data = json.loads(lines[-1][len(RESULT_MARKER) :])
-                if isinstance(data, dict):
-                    return data
-    return None
+                data = json.loads(lines[-1][len(PROBE_RESULT_MARKER) :])
+    return None if data is None else ProbeResult.from_json(data)
+
+
+def _read(probe_dir: Path, log_file: Path | None, outcome: Outcome) -> None:
+    """``outcome.result`` (or ``outcome.unreadable``) from what the node left."""
+    try:
+        outcome.result = read_result(probe_dir, log_file)
+    except ValueError as exc:
+        outcome.result, outcome.unreadable = None, str(exc)
 
 
 def _wait(
@@ -302,8 +333,8 @@ def _wait(
     log_file = scheduler.log_file(probe_dir, outcome.job_id)
     last_reason = ""
     while True:
-        outcome.result = read_result(probe_dir, log_file)
-        if outcome.result is not None and outcome.result.get("finished"):
+        _read(probe_dir, log_file, outcome)
+        if (outcome.result is not None and outcome.result.finished) or outcome.unreadable:
             break
         try:
             info = scheduler.query([outcome.job_id]).get(outcome.job_id)
@@ -315,8 +346,7 @@ def _wait(
             if info.state is JobState.RUNNING and running_since is None:
                 running_since = now
                 outcome.queued_s = now - started
-            asking = outcome.result is not None and (outcome.result.get("continue") or {}).get("state") == "asking"
-            if asking and info.state in (JobState.PENDING, JobState.REQUEUED):
+            if _asking(outcome.result) and info.state in (JobState.PENDING, JobState.REQUEUED):
                 outcome.requeued = True  # the requeue the node asked for took the job off the node
                 break
             if info.state is JobState.PENDING and running_since is None and info.reason != last_reason:
@@ -325,7 +355,7 @@ def _wait(
                 if info.reason:
                     say(f"probe: job {outcome.job_id} pending: {info.reason}")
             if info.state.is_terminal:
-                outcome.result = read_result(probe_dir, log_file)
+                _read(probe_dir, log_file, outcome)
                 break
         if now >= deadline:
             outcome.timed_out = True
@@ -337,12 +367,17 @@ def _wait(
         outcome.queued_s = time.monotonic() - started  # ran between two looks
 
 
+def _asking(result: ProbeResult | None) -> bool:
+    """Whether the node had asked to continue its job (and may not have said how that went)."""
+    return result is not None and result.continuation is not None and result.continuation.state == "asking"
+
+
 def _clean_up(scheduler: Scheduler, outcome: Outcome) -> None:
     """Cancel the probe job (pending, requeued or still running) and a successor the node submitted."""
     ids = [outcome.job_id] if outcome.job_id else []
-    successor = ((outcome.result or {}).get("continue") or {}).get("successor")
-    if successor:
-        ids.append(str(successor))
+    continuation = outcome.result.continuation if outcome.result is not None else None
+    if continuation is not None and continuation.successor:
+        ids.append(continuation.successor)
     for job_id in ids:
         with contextlib.suppress(SchedulerUnavailable, ValueError):
             scheduler.cancel(job_id)
@@ -355,6 +390,13 @@ def judge(outcome: Outcome, token: str, label: str, log_file: Path | None) -> li
     job = f"{label} job {outcome.job_id}"
     result = outcome.result
     state = (outcome.info.native_state or outcome.info.state.value) if outcome.info else "unknown"
+    if result is None and outcome.unreadable:
+        first = fail(
+            "probe-job",
+            f"{job} left findings this hpc-bridge cannot read ({outcome.unreadable})",
+            "HPC_WORKER_PYTHON's environment must have the same hpc-bridge version as the bridge (docs/upgrade.md)",
+        )
+        return [first, *_node_skips("the node's findings cannot be read")]
     if result is None:
         if outcome.timed_out and (outcome.info is None or outcome.info.state is JobState.PENDING):
             why = outcome.pending_reason or (outcome.info.native_state if outcome.info else "")
@@ -366,7 +408,7 @@ def judge(outcome: Outcome, token: str, label: str, log_file: Path | None) -> li
                 f"--job-timeout; otherwise fix what it names (account, partition, QOS, GPU: {_SITE_SETTINGS}, "
                 "HPC_GPU_RULES, HPC_JOB_DIRECTIVES)",
             )
-            return [first, *(skip(f"node-{name}", "the probe job did not run") for name in NODE_CHECKS)]
+            return [first, *_node_skips("the probe job did not run")]
         ended = "was still running after the timeout (cancelled)" if outcome.timed_out else f"ended ({state})"
         tail = _tail(log_file)
         first = fail(
@@ -374,23 +416,22 @@ def judge(outcome: Outcome, token: str, label: str, log_file: Path | None) -> li
             f"{job} {ended} without leaving its findings in the spool"
             + (f"; its output ends: {tail}" if tail else f"; its output {log_file} is not there either"),
             "the node must see HPC_SPOOL_DIR at the same path and write there, and HPC_WORKER_PYTHON must run "
-            "'python -m worker.probe' on the node (the job's output says which)",
+            f"'python -m {PROBE_MODULE}' on the node (the job's output says which)",
         )
-        return [first, *(skip(f"node-{name}", "no findings from the node") for name in NODE_CHECKS)]
-    where = f"on {result.get('host', '?')}"
+        return [first, *_node_skips("no findings from the node")]
+    where = f"on {result.host or '?'}"
     timing = f"queued {outcome.queued_s:.0f} s, ran {outcome.ran_s:.0f} s"
     checks = [ok("probe-job", f"{job} ran {where} with the bridge's batch template ({timing})")]
-    found = result.get("checks") or {}
-    for name in NODE_CHECKS:
-        finding = found.get(name)
+    for name in PROBE_CHECKS:
+        finding = result.checks.get(name)
         if name == "continue" and finding is None:
             finding = _continuation(outcome, result)
         if finding is None:
             stop = "the probe timed out" if outcome.timed_out else f"the job ended ({state})"
             checks.append(fail(f"node-{name}", f"{stop} before this check", f"see the job's output {log_file}"))
             continue
-        check = Check(f"node-{name}", str(finding["status"]), str(finding["found"]), str(finding.get("fix", "")))
-        if name == "spool" and check.status == "ok" and result.get("token") != token:
+        check = from_finding(f"node-{name}", finding)
+        if name == "spool" and check.status == "ok" and result.token != token:
             check = fail(
                 "node-spool",
                 "the node read another token than the login node wrote: it sees another directory at the path "
@@ -400,22 +441,21 @@ def judge(outcome: Outcome, token: str, label: str, log_file: Path | None) -> li
         elif name == "spool" and check.status == "ok":
             check.found = f"the login node reads what the node wrote; {check.found}"
         checks.append(check)
-    if result.get("reran") and checks[-1].status == "ok":
-        checks[-1].found += f" (and it ran again: restart {result['reran'].get('restart')})"
+    if result.reran is not None and checks[-1].status == "ok":
+        checks[-1].found += f" (and it ran again: restart {result.reran.restart})"
     return checks
 
 
-def _continuation(outcome: Outcome, result: Mapping[str, Any]) -> dict[str, str] | None:
+def _continuation(outcome: Outcome, result: ProbeResult) -> ProbeFinding | None:
     """The continue check when the node could not write it: a requeue ends the node's process."""
-    cont = result.get("continue") or {}
-    if cont.get("state") != "asking":
+    if not _asking(result) or result.continuation is None:
         return None
-    if outcome.requeued or result.get("reran"):
-        return {
-            "status": "ok",
-            "found": f"the requeue asked from the node put job {cont.get('job_id')} back in the queue (then cancelled)",
-            "fix": "",
-        }
+    if outcome.requeued or result.reran is not None:
+        return ProbeFinding(
+            status="ok",
+            found=f"the requeue asked from the node put job {result.continuation.job_id} back in the queue "
+            "(then cancelled)",
+        )
     return None
 
 

@@ -29,7 +29,15 @@ examples:
   hpc-bridge status --state running --state pending   # open jobs only
   hpc-bridge status --older-than 1d --no-scheduler    # stale requests, without asking the scheduler
   hpc-bridge status --json | jq '.requests[] | select(.state == "replied-error")'
+
+exit status:
+  0  the broker answered (a scheduler that did not answer is a note: the states are the last seen)
+  1  the broker is unreachable (or the connection was lost): the requests are still listed, from
+     the spool, and the queue depths are "-"
+  2  configuration error
 """
+#: ``status``'s exit statuses (2, a configuration error, is the command line's).
+EXIT_OK, EXIT_BROKER_DOWN = 0, 1
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 WIDTH = 80
@@ -69,7 +77,7 @@ def add_parser(sub: Any) -> None:
         "status",
         help="every request the bridge knows: its job, state, age and last event; queue depths",
         description="List the requests in the ledger with their jobs and states, then the queue depths\n"
-        "and the outbox. Exit status 0 (a broker or scheduler that does not answer is reported).",
+        "and the outbox. Exit status 1 when the broker does not answer (see below).",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -160,7 +168,8 @@ def query_scheduler(config: BridgeConfig, records: Sequence[RequestRecord]) -> t
 
 
 def queue_depths(config: BridgeConfig) -> tuple[dict[str, int | None], str]:
-    """Depth of each queue by passive declare (None: no such queue), and a note when the broker is down."""
+    """Depth of each queue by passive declare (None: no such queue), and a note when the broker is down
+    or the connection was lost (empty when the broker answered)."""
     import pika.exceptions
 
     from bridge.amqp import CONNECTION_ERRORS, connect
@@ -273,8 +282,9 @@ def run(config: BridgeConfig, args: argparse.Namespace) -> int:
         notes.append(note)
     now = time.time()
     rows = select(build_rows(config, records, job_states, now), args.state, args.older_than, args.newer_than)
-    depths, note = queue_depths(config)
-    notes.append(note)
+    depths, broker_note = queue_depths(config)
+    notes.append(broker_note)
+    status = EXIT_BROKER_DOWN if broker_note else EXIT_OK
     outbox = outbox_size(spool) if spool.outbox_dir.is_dir() else 0
     if args.json:
         print(
@@ -296,9 +306,9 @@ def run(config: BridgeConfig, args: argparse.Namespace) -> int:
                 indent=1,
             )
         )
-        return 0
+        return status
     for line in format_table(rows):
         print(line)
     for line in format_summary(depths, outbox, notes):
         print(line)
-    return 0
+    return status

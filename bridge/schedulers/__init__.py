@@ -38,7 +38,9 @@ __all__ = [
     "format_duration",
     "get_scheduler",
     "job_state_value",
+    "option_problems",
     "own_job_id",
+    "refused_site_options",
     "restart_variables",
     "scheduler_class",
     "scratch_variables",
@@ -141,3 +143,41 @@ def get_scheduler(
     except KeyError:
         raise ValueError(f"unknown scheduler {name!r}") from None
     return backend(timeout_s=timeout_s, **dict(options or {}), **backend.lookup_options(scheduler_args))
+
+
+def option_problems(
+    name: str,
+    *,
+    options: Mapping[str, str] | None = None,
+    scheduler_args: Sequence[str] = (),
+    directives: Sequence[str] = (),
+) -> list[str]:
+    """Why the site's settings for the backend called ``name`` cannot be used (none: []), each naming
+    its setting: a site option the backend refuses (an unsafe value, an option the omit setting cannot
+    leave out), and ``HPC_JOB_DIRECTIVES`` entries and ``HPC_SCHEDULER_ARGS`` arguments that set an
+    option the bridge sets itself. Checked when the configuration is loaded, not per job."""
+    try:
+        backend = get_scheduler(name, options=options, scheduler_args=scheduler_args)
+    except ValueError as exc:
+        return [str(exc)]
+    return backend.directive_problems(directives) + backend.argument_problems(scheduler_args)
+
+
+def refused_site_options(name: str, values: Mapping[str, str]) -> dict[str, str]:
+    """The site settings among ``values`` (setting name -> value) that the backend called ``name``
+    refuses, each with why (a message naming it): a configuration that holds its default for each of
+    them instead can still build the backend. Judged in the order the backend declares them, each
+    with the ones before it that it took (HPC_SGE_OMIT names the resource of HPC_SGE_MEMORY_RESOURCE)."""
+    backend = BACKENDS[name]
+    taken: dict[str, str] = {}
+    refused = {}
+    for option in backend.site_options:
+        if option.keyword and values.get(option.setting):
+            try:
+                get_scheduler(
+                    name, options=backend.constructor_options({**taken, option.setting: values[option.setting]})
+                )
+                taken[option.setting] = values[option.setting]
+            except ValueError as exc:
+                refused[option.setting] = str(exc)
+    return refused

@@ -137,7 +137,7 @@ class JobSpec:
 
     The site's own additions (``HPC_JOB_DIRECTIVES``, ``HPC_JOB_PROLOGUE``): ``directives`` are
     written as extra directive lines after the bridge's own (each one option and its value, e.g.
-    ``--qos=high`` or ``-l h_vmem=4G``; never one the bridge sets itself, see
+    ``--constraint=v100`` or ``-l h_vmem=4G``; never one the bridge sets itself, see
     :meth:`Scheduler.reserved_option`), and ``prologue`` is shell lines run in the job just before
     the command (``module load``, ``source``, proxies); a failing line ends the job there.
     """
@@ -223,10 +223,20 @@ _SITE_DIRECTIVE_UNSAFE = re.compile(r"[\x00-\x1f\x7f#'\"\\$`;&|<>()]")
 def site_directive(text: str) -> str:
     """One ``HPC_JOB_DIRECTIVES`` entry, checked: an option (``-...``), single spaces, nothing unsafe."""
     if not text.startswith("-") or text.strip("-") == "" or text != " ".join(text.split()):
-        raise ValueError(f"refusing unsafe value for HPC_JOB_DIRECTIVES entry: {text!r} (one option, e.g. --qos=high)")
+        raise ValueError(f"refusing unsafe value for HPC_JOB_DIRECTIVES entry: {text!r} (one option, e.g. --nice=10)")
     if _SITE_DIRECTIVE_UNSAFE.search(text):
         raise ValueError(f"refusing unsafe value for HPC_JOB_DIRECTIVES entry: {text!r}")
     return text
+
+
+def parse_omit(text: str) -> tuple[str, ...]:
+    """A backend's omit setting (``HPC_SLURM_OMIT=--mem, --mail-type``, ``HPC_SGE_OMIT=-l mem_free, -m``):
+    the options, comma-separated, each with single spaces, in order, without repeats."""
+    return tuple(dict.fromkeys(" ".join(entry.split()) for entry in text.split(",") if entry.strip()))
+
+
+#: The start of why one of the bridge's own options cannot be left out (``Scheduler.own_options``).
+NEEDED = "the bridge cannot work without it: "
 
 
 def render_prologue(spec: JobSpec, directive_prefix: str) -> str:
@@ -317,6 +327,11 @@ def scrubbed_environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith(_SECRET_ENV_PREFIXES)}
 
 
+def _option_problem(what: str, text: str, why: str) -> str:
+    """One problem of a site's scheduler options: ``HPC_JOB_DIRECTIVES entry '--time=5': why``."""
+    return f"{what} {text!r}: {why}"
+
+
 class Scheduler(ABC):
     """One batch scheduler. Subclasses are ~100-200 lines each.
 
@@ -371,6 +386,9 @@ class Scheduler(ABC):
     job_id_variable: str
     log_name: str
     log_name_id: str
+    #: The site setting that leaves out some of the bridge's own options (``omit`` of the constructor;
+    #: "": none can be): :meth:`own_options` says which.
+    omit_setting: str = ""
     #: Words in the submit command's output that no retry can fix: the request is refused for good.
     permanent_submit_errors: tuple[str, ...] = ()
     #: Words in the submit command's output that say a submit limit (jobs per user, account or cluster)
@@ -382,6 +400,7 @@ class Scheduler(ABC):
         self.user = current_user() if user is None else user
         if not _USER_NAME.fullmatch(self.user):
             raise ValueError(f"refusing unsafe value for the scheduler user: {self.user!r}")
+        self.omit: tuple[str, ...] = ()  # the bridge's own options left out (checked_omit)
 
     @classmethod
     def translate(cls, native: str) -> JobState:
@@ -412,12 +431,57 @@ class Scheduler(ABC):
 
     @abstractmethod
     def directives(self, spec: JobSpec) -> list[str]:
-        """The resource requests as directive arguments (without the prefix)."""
+        """The resource requests as directive arguments (without the prefix), all of them: :meth:`render`
+        leaves out those the site omits (:attr:`omit`)."""
+
+    def directive_key(self, directive: str) -> str:
+        """The option one of the bridge's own directives sets, as :meth:`own_options` and the omit
+        setting name it: ``--mem=4000M`` -> ``--mem``, ``-w e`` -> ``-w``."""
+        return directive.split("=", 1)[0].split()[0]
+
+    def own_options(self) -> dict[str, str]:
+        """Every option the bridge's own directives set (:meth:`directive_key`) -> why the site cannot
+        leave it out with :attr:`omit_setting` ("" when it can)."""
+        return {}
+
+    def omittable(self) -> list[str]:
+        """The bridge's own options that :attr:`omit_setting` may leave out."""
+        return [option for option, why in self.own_options().items() if not why]
+
+    def checked_omit(self, text: str) -> tuple[str, ...]:
+        """The omit setting's value ``text`` (:func:`parse_omit`), checked: an option the bridge cannot
+        work without, or one it never sets, raises ValueError naming the setting and what can be left out."""
+        options = parse_omit(text)
+        own = self.own_options()
+        for option in options:
+            if option in own and not own[option]:
+                continue
+            why = (
+                f"{option} cannot be left out: {own[option]}" if option in own else f"{option} is not set by the bridge"
+            )
+            allowed = ", ".join(self.omittable()) or "none"
+            raise ValueError(f"{self.omit_setting or 'omit'}: {why} (what can be left out: {allowed})")
+        return options
+
+    def set_by_bridge(self, option: str, why: str, key: str = "") -> str:
+        """Why a site may not set ``option`` itself (directive or submit argument): the bridge sets it,
+        because ``why``; with how to leave it out when :attr:`omit_setting` can (``key``: its name there)."""
+        hint = f" ({self.omit_setting}={key} leaves it out)" if key and key in self.omittable() else ""
+        return f"{option} is set by the bridge: {why}{hint}"
+
+    def reserved_in(self, words: Sequence[str], *, command_line: bool = False) -> list[tuple[str, str]]:
+        """The options among ``words`` that the bridge sets itself (job name, log file, time, memory,
+        continuation...): ``(the option as written, why it may not be used)`` for each, in order.
+        ``words`` are one directive's (``--time 5``), or with ``command_line`` the submit command's
+        extra arguments (``HPC_SCHEDULER_ARGS``), where what only a script must not do (hold the job,
+        choose the cluster) is fine."""
+        return []
 
     def reserved_option(self, directive: str) -> str:
         """Why the site directive ``directive`` may not be used ("" when it may): it sets an option
-        the bridge sets itself (job name, log file, time, memory, continuation...)."""
-        return ""
+        the bridge sets itself (:meth:`reserved_in`)."""
+        found = self.reserved_in(directive.split())
+        return found[0][1] if found else ""
 
     def directive_problems(self, directives: Sequence[str]) -> list[str]:
         """Why each unusable ``HPC_JOB_DIRECTIVES`` entry cannot be used (none: []), for a check at start."""
@@ -428,8 +492,17 @@ class Scheduler(ABC):
             except ValueError as exc:
                 why = str(exc)
             if why:
-                problems.append(f"HPC_JOB_DIRECTIVES entry {text!r}: {why}")
+                problems.append(_option_problem("HPC_JOB_DIRECTIVES entry", text, why))
         return problems
+
+    def argument_problems(self, arguments: Sequence[str]) -> list[str]:
+        """Why ``HPC_SCHEDULER_ARGS`` cannot be used (none: []), for a check at start: the same options
+        as in :meth:`directive_problems` (the command line overrides the script's directives), but
+        for those a command line may give (:meth:`reserved_in`)."""
+        return [
+            _option_problem("HPC_SCHEDULER_ARGS argument", text, why)
+            for text, why in self.reserved_in(arguments, command_line=True)
+        ]
 
     def site_directives(self, spec: JobSpec) -> list[str]:
         """``spec.directives`` checked: safe text, and none that overrides one of the bridge's own."""
@@ -441,8 +514,14 @@ class Scheduler(ABC):
             checked.append(text)
         return checked
 
+    def own_directives(self, spec: JobSpec) -> list[str]:
+        """:meth:`directives` without those the site leaves out (:attr:`omit`)."""
+        return [d for d in self.directives(spec) if self.directive_key(d) not in self.omit]
+
     def render(self, spec: JobSpec) -> str:
-        lines = [f"{self.directive_prefix} {d}" for d in [*self.directives(spec), *self.site_directives(spec)]]
+        """The batch script of ``spec``: the one renderer (the bridge's submits, continuations,
+        ``hpc-bridge chain``, ``doctor`` and ``hpc-bridge script``)."""
+        lines = [f"{self.directive_prefix} {d}" for d in [*self.own_directives(spec), *self.site_directives(spec)]]
         return self.template().substitute(
             directives="\n".join(lines),
             environment=render_environment(spec, self.name),
@@ -461,9 +540,15 @@ class Scheduler(ABC):
         return log_dir / self.log_name.replace(self.log_name_id, job_id)
 
     # --- operations ----------------------------------------------------------
+    def submit_command(self, script: Path, spec: JobSpec) -> list[str]:
+        """The command that submits ``script``: the submit command (the first of :attr:`commands`), its
+        own options, then ``spec.extra_args`` (``HPC_SCHEDULER_ARGS``)."""
+        return [self.commands[0], *spec.extra_args, str(script)]
+
     @abstractmethod
     def submit(self, script: Path, spec: JobSpec) -> str:
-        """Submit the rendered script; return the job id. Raises SchedulerRejected/Unavailable."""
+        """Submit the rendered script (:meth:`submit_command`); return the job id. Raises
+        SchedulerRejected/Unavailable."""
 
     @abstractmethod
     def query(self, job_ids: Sequence[str]) -> Mapping[str, JobInfo]:

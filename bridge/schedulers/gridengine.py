@@ -18,6 +18,7 @@ from pathlib import Path
 
 from bridge.errors import SchedulerUnavailable
 from bridge.schedulers.base import (
+    NEEDED,
     JobInfo,
     JobSpec,
     JobState,
@@ -92,6 +93,9 @@ RESERVED_OPTIONS: dict[str, str] = {
     "-now": "a job that cannot start at once would be refused instead of waiting",
     **dict.fromkeys(("-clear", "-C", "-@"), "it would change how the bridge's own directives are read"),
 }
+# Reserved options that only a directive must not set: on qsub's command line (HPC_SCHEDULER_ARGS) a held
+# job is a site's choice.
+COMMAND_LINE_OPTIONS = frozenset({"-h"})
 
 
 # A Grid Engine object name: no leading digit, none of / : @ * or space, ASCII; no comma either
@@ -188,9 +192,11 @@ class GridEngineScheduler(Scheduler):
         SiteOption("HPC_SGE_GPU_RESOURCE", default="gpu", keyword="gpu_resource"),  # consumable counting GPUs
         # The complex that requests memory (h_vmem where sites enforce it).
         SiteOption("HPC_SGE_MEMORY_RESOURCE", default="mem_free", keyword="memory_resource"),
+        SiteOption("HPC_SGE_OMIT", keyword="omit"),  # the bridge's own options a site forbids (own_options)
     )
     account_setting = "HPC_SGE_PROJECT"
     partition_setting = "HPC_SGE_QUEUE"
+    omit_setting = "HPC_SGE_OMIT"
     warning_signal = signal.SIGUSR2  # -notify
     restart_variables = ("RESTARTED",)
     controller = "sge_qmaster"
@@ -218,6 +224,7 @@ class GridEngineScheduler(Scheduler):
         pe: str = "smp",
         gpu_resource: str = "gpu",
         memory_resource: str = "mem_free",
+        omit: str = "",
     ) -> None:
         super().__init__(timeout_s=timeout_s, user=user)
         settings = {"HPC_SGE_PE": pe, "HPC_SGE_GPU_RESOURCE": gpu_resource, "HPC_SGE_MEMORY_RESOURCE": memory_resource}
@@ -225,6 +232,7 @@ class GridEngineScheduler(Scheduler):
             if not _RESOURCE.match(directive_value(what, value)):
                 raise ValueError(f"refusing unsafe value for {what}: {value!r}")
         self.pe, self.gpu_resource, self.memory_resource = pe, gpu_resource, memory_resource
+        self.omit = self.checked_omit(omit)
 
     @classmethod
     def translate(cls, native: str) -> JobState:
@@ -267,32 +275,70 @@ class GridEngineScheduler(Scheduler):
             d.append(f"-hold_jid {_job_id('hold job id', spec.hold_after)}")
         return d
 
-    def reserved_option(self, directive: str) -> str:
+    def directive_key(self, directive: str) -> str:
+        """``-l mem_free=100M`` -> ``-l mem_free`` (a resource is named with its ``-l``), ``-pe smp 4`` -> ``-pe``."""
+        words = directive.split()
+        return f"-l {words[1].split('=', 1)[0]}" if words[0] == "-l" and len(words) > 1 else words[0]
+
+    def own_options(self) -> dict[str, str]:
+        """As HPC_SGE_OMIT names them: the memory request, ``-w`` (sites whose resource quotas make
+        ``-w e`` refuse jobs that could run) and mail may be left out."""
+        return {
+            "-N": NEEDED + "it finds its jobs by name",
+            "-S": NEEDED + "the job's script is a bash script",
+            "-o": NEEDED + "it reads each job's log in the job's spool directory",
+            "-j": NEEDED + "the job's errors go to the same log",
+            "-wd": NEEDED + "the job runs in its spool directory",
+            "-l h_rt": NEEDED + "the job is told its time limit and warned before it",
+            f"-l {self.memory_resource}": "",
+            "-r": NEEDED + "it decides itself whether a job runs again",
+            "-w": "",
+            "-pe": "the job's CPUs are slots of HPC_SGE_PE, and its memory is requested per slot",
+            f"-l {self.gpu_resource}": "set HPC_GPU_RULES=none instead (no GPUs)",
+            "-P": "leave HPC_SGE_PROJECT empty instead",
+            "-q": "leave HPC_SGE_QUEUE empty instead",
+            "-M": "",
+            "-m": "",
+            "-notify": NEEDED + "it is the warning before the time limit, at which a job checkpoints and continues",
+            "-hold_jid": NEEDED + "a successor job waits for the one before it",
+        }
+
+    def reserved_in(self, words: Sequence[str], *, command_line: bool = False) -> list[tuple[str, str]]:
         """``-l h_vmem=4G``, ``-p -5``, ``-A lab``: fine; ``-N x``, ``-l h_rt=1:00:00``, ``-pe mpi 4``: the
-        bridge's own (see :data:`RESERVED_OPTIONS`; for ``-l``, the time, memory and GPU resources).
-        Every word of the line is looked at: qsub reads them all."""
-        own = {"h_rt": "the time limit is the request's 'Maximum time (D-HH:MM)'"}
+        bridge's own (see :data:`RESERVED_OPTIONS`; for ``-l``, the time, memory and GPU resources),
+        but ``-h`` on the command line (:data:`COMMAND_LINE_OPTIONS`). Every word is looked at: qsub
+        reads them all."""
+        memory = f"-l {self.memory_resource}"
+        own = {"h_rt": ("the time limit is the request's 'Maximum time (D-HH:MM)'", "-l h_rt")}
         own["s_rt"] = own["h_rt"]
-        own[self.memory_resource] = "the memory is the request's 'Maximum memory (MB)' (HPC_SGE_MEMORY_RESOURCE)"
+        own[self.memory_resource] = (
+            "the memory is the request's 'Maximum memory (MB)' (HPC_SGE_MEMORY_RESOURCE)",
+            memory,
+        )
         if self.memory_resource == "mem_free":
             own["mf"] = own["mem_free"]  # its shortcut
-        own[self.gpu_resource] = "GPUs are requested by HPC_GPU_RULES (HPC_SGE_GPU_RESOURCE)"
-        words = directive.split()
+        own[self.gpu_resource] = ("GPUs are requested by HPC_GPU_RULES (HPC_SGE_GPU_RESOURCE)", "")
+        found = []
         for i, word in enumerate(words):
-            if word in RESERVED_OPTIONS:
-                return f"{word} is set by the bridge: {RESERVED_OPTIONS[word]}"
-            if word == "-l" and i + 1 < len(words):
+            if word in RESERVED_OPTIONS and not (command_line and word in COMMAND_LINE_OPTIONS):
+                found.append((word, self.set_by_bridge(word, RESERVED_OPTIONS[word], word)))
+            elif word == "-l" and i + 1 < len(words):
                 for request in words[i + 1].split(","):
                     name = request.split("=", 1)[0]
                     if name in own:
-                        return f"-l {name} is set by the bridge: {own[name]}"
-        return ""
+                        why, key = own[name]
+                        found.append((f"-l {words[i + 1]}", self.set_by_bridge(f"-l {name}", why, key)))
+                        break
+        return found
 
     def clean(self, message: str) -> str:
         return super().clean("\n".join(line for line in message.splitlines() if line.strip() != "Exiting."))
 
+    def submit_command(self, script: Path, spec: JobSpec) -> list[str]:
+        return ["qsub", "-terse", *spec.extra_args, str(script)]
+
     def submit(self, script: Path, spec: JobSpec) -> str:
-        result = self._submit_command(["qsub", "-terse", *spec.extra_args, str(script)])
+        result = self._submit_command(self.submit_command(script, spec))
         for line in result.stdout.splitlines():
             job_id = plain_job_id(line.strip().split(".")[0])  # an array job prints N.1-3:1
             if job_id:

@@ -14,6 +14,7 @@ from typing import Any
 from bridge.errors import SchedulerUnavailable
 from bridge.schedulers.base import (
     CONTINUE_BY,
+    NEEDED,
     JobInfo,
     JobSpec,
     JobState,
@@ -112,6 +113,7 @@ RESERVED_OPTIONS: dict[str, str] = {
     **dict.fromkeys(("gres", "gpus"), "GPUs are requested by HPC_GPU_RULES"),
     "account": "set HPC_SLURM_ACCOUNT instead",
     "partition": "set HPC_SLURM_PARTITION instead",
+    "qos": "set HPC_SLURM_QOS instead",
     **dict.fromkeys(("mail-user", "mail-type"), "mail goes to the request's notification address"),
     "chdir": "the job runs in its spool directory",
     "array": "the bridge submits one job per request",
@@ -132,6 +134,7 @@ SHORT_OPTIONS = {
     "G": "gpus",
     "A": "account",
     "p": "partition",
+    "q": "qos",
     "D": "chdir",
     "a": "array",
     "H": "hold",
@@ -140,6 +143,32 @@ SHORT_OPTIONS = {
 }
 # sbatch's one-letter options that take no value (so more letters may follow in the same word).
 SHORT_FLAGS = frozenset("hHkOQsuvVW")
+# Reserved options that only a directive must not set: on sbatch's command line (HPC_SCHEDULER_ARGS)
+# they are where they belong (the cluster: every command gets it) or a site's choice (a held job).
+COMMAND_LINE_OPTIONS = frozenset({"hold", "clusters", "cluster"})
+
+# The options of the bridge's own directives (as HPC_SLURM_OMIT names them) -> why a site cannot leave
+# one out ("": it can, e.g. where memory comes with the GPUs or mail is not allowed).
+OWN_OPTIONS: dict[str, str] = {
+    "--job-name": NEEDED + "it finds its jobs by name",
+    "--comment": "",
+    "--time": NEEDED + "the job is told its time limit and warned before it",
+    "--mem": "",
+    "--nodes": "",
+    "--ntasks": "",
+    "--cpus-per-task": "",
+    "--output": NEEDED + "it reads each job's log in the job's spool directory",
+    "--open-mode": NEEDED + "a requeued job appends to its log instead of overwriting it",
+    "--requeue": "set HPC_SLURM_CONTINUE=successor instead (jobs continue without requeueing)",
+    "--signal": NEEDED + "it is the warning before the time limit, at which a job checkpoints and continues",
+    "--dependency": NEEDED + "a successor job waits for the one before it",
+    "--gres": "set HPC_GPU_RULES=none instead (no GPUs)",
+    "--account": "leave HPC_SLURM_ACCOUNT empty instead",
+    "--partition": "leave HPC_SLURM_PARTITION empty instead",
+    "--qos": "leave HPC_SLURM_QOS empty instead",
+    "--mail-user": "",
+    "--mail-type": "",
+}
 
 
 def translate(native: str) -> JobState:
@@ -187,11 +216,14 @@ class SlurmScheduler(Scheduler):
     site_options = (
         SiteOption("HPC_SLURM_ACCOUNT", private_as="<account>"),
         SiteOption("HPC_SLURM_PARTITION", private_as="<partition>"),
+        SiteOption("HPC_SLURM_QOS", keyword="qos"),  # --qos=NAME ("": none)
         SiteOption("HPC_SLURM_CONTINUE", default="requeue", choices=CONTINUE_BY),
+        SiteOption("HPC_SLURM_OMIT", keyword="omit"),  # the bridge's own options a site forbids (OWN_OPTIONS)
     )
     account_setting = "HPC_SLURM_ACCOUNT"
     partition_setting = "HPC_SLURM_PARTITION"
     continue_setting = "HPC_SLURM_CONTINUE"  # requeue (the same job id runs again) or successor
+    omit_setting = "HPC_SLURM_OMIT"
     warning_signal = signal.SIGUSR1  # --signal=B:USR1@warn_seconds
     scratch_variables = ("SLURM_TMPDIR",)  # set by some sites' plugins (node-local disk)
     restart_variables = ("SLURM_RESTART_COUNT",)
@@ -210,9 +242,19 @@ class SlurmScheduler(Scheduler):
     permanent_submit_errors = PERMANENT_SUBMIT_ERRORS
     submit_limit_errors = SUBMIT_LIMIT_ERRORS
 
-    def __init__(self, *, timeout_s: float = 60.0, user: str | None = None, cluster_args: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        *,
+        timeout_s: float = 60.0,
+        user: str | None = None,
+        cluster_args: Sequence[str] = (),
+        qos: str = "",
+        omit: str = "",
+    ) -> None:
         super().__init__(timeout_s=timeout_s, user=user)
         self.cluster_args = tuple(cluster_args)
+        self.qos = directive_value("HPC_SLURM_QOS", qos) if qos else ""
+        self.omit = self.checked_omit(omit)
 
     @classmethod
     def translate(cls, native: str) -> JobState:
@@ -247,31 +289,45 @@ class SlurmScheduler(Scheduler):
             d.append(f"--account={directive_value('account', spec.account)}")
         if spec.partition:
             d.append(f"--partition={directive_value('partition', spec.partition)}")
+        if self.qos:
+            d.append(f"--qos={self.qos}")
         if spec.email:
             d += [f"--mail-user={directive_value('e-mail', spec.email)}", "--mail-type=END,FAIL"]
         return d
 
-    def reserved_option(self, directive: str) -> str:
-        """``--qos=high``, ``--constraint v100``, ``-C v100``: fine; ``--time=...``, ``-t 5``, ``--out=x``
+    def own_options(self) -> dict[str, str]:
+        return dict(OWN_OPTIONS)
+
+    def reserved_in(self, words: Sequence[str], *, command_line: bool = False) -> list[tuple[str, str]]:
+        """``--constraint v100``, ``-C v100``, ``--nice=10``: fine; ``--time=...``, ``-t 5``, ``--out=x``
         (an abbreviation of --output), ``-kH`` (flags run together): the bridge's own (see
-        :data:`RESERVED_OPTIONS`). Every word of the line is looked at: sbatch reads them all."""
-        for word in directive.split():
-            if word.startswith("--"):
+        :data:`RESERVED_OPTIONS`), but ``--hold``/``-H`` and ``-M NAME``/``--clusters=NAME`` on the
+        command line (:data:`COMMAND_LINE_OPTIONS`). Every word is looked at: sbatch reads them all."""
+        found = []
+        for word in words:
+            if word.startswith("--") and len(word) > 2:
                 name = word[2:].split("=", 1)[0]
                 for reserved, why in RESERVED_OPTIONS.items():
                     if reserved.startswith(name):
-                        return f"--{reserved} is set by the bridge: {why}"
+                        if not (command_line and reserved in COMMAND_LINE_OPTIONS):
+                            found.append((word, self.set_by_bridge(f"--{reserved}", why, f"--{reserved}")))
+                        break
             elif word.startswith("-"):
                 for letter in word[1:]:
                     long_name = SHORT_OPTIONS.get(letter, "")
-                    if long_name:
-                        return f"-{letter} (--{long_name}) is set by the bridge: {RESERVED_OPTIONS[long_name]}"
+                    if long_name and not (command_line and long_name in COMMAND_LINE_OPTIONS):
+                        why = RESERVED_OPTIONS[long_name]
+                        found.append((word, self.set_by_bridge(f"-{letter} (--{long_name})", why, f"--{long_name}")))
+                        break
                     if letter not in SHORT_FLAGS:
                         break  # the rest of the word is this option's value
-        return ""
+        return found
+
+    def submit_command(self, script: Path, spec: JobSpec) -> list[str]:
+        return ["sbatch", "--parsable", *spec.extra_args, str(script)]
 
     def submit(self, script: Path, spec: JobSpec, *, env: Mapping[str, str] | None = None) -> str:
-        result = self._submit_command(["sbatch", "--parsable", *spec.extra_args, str(script)], env=env)
+        result = self._submit_command(self.submit_command(script, spec), env=env)
         job_id = plain_job_id(result.stdout.strip().split(";")[0])  # with -M: "ID;CLUSTER"
         if not job_id:
             raise SchedulerUnavailable(f"sbatch printed no job id: {result.stdout[:200]!r}")

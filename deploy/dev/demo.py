@@ -15,8 +15,10 @@ classified by Paco_classifier's own code.
    classifier job runs) classifies the first page with them in both TensorFlow versions Rodan runs
    (consumers/). The label images are written beside the outputs.
 
-It uses its own queue names, spool and Rodan, so it never touches a real deployment; Rodan stays up
-at the end so that its API can be browsed (the last lines say where to look and how to take it down).
+It uses its own queue names, spool and Rodan, so it never touches a real deployment; its queues
+are deleted when it ends, however it ends (Rodan declares its request queue again when it next
+publishes). Rodan stays up at the end so that its API can be browsed (the last lines say where to
+look and how to take it down).
 """
 
 from __future__ import annotations
@@ -24,11 +26,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
+from types import FrameType
 from urllib.parse import urlsplit
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,12 +47,17 @@ from bridge.testing.samples import make_sample_page, make_sample_zip  # noqa: E4
 JOB_NAME = "Training model for Patchwise Analysis of Music Document, HPC"
 RODAN_SH = REPO / "deploy" / "dev" / "rodan.sh"
 WORK = REPO / "var" / "demo"
-#: The demo's Rodan: its own state directory, port, Redis db and request queue.
+#: The demo's own queues, deleted when it ends: the request queue (Rodan's job publishes to it), and
+#: the bridge's dead-letter and status queues. The reply queues are the runs' (hpc-results.<id>).
+REQUEST_QUEUE = "demo-hpc-jobs"
+DEAD_LETTER_QUEUE = "demo-hpc-dead-letter"
+STATUS_QUEUE = "demo-hpc-status"
+REPLY_QUEUE_PATTERN = "hpc-results.*"
+#: The demo's Rodan: its own state directory, port, Redis db (and request queue: REQUEST_QUEUE).
 RODAN_ENV = {
     "HPC_DEV_RODAN_DIR": str(WORK / "rodan"),
     "HPC_DEV_RODAN_PORT": "8785",
     "HPC_DEV_RODAN_REDIS_DB": "11",
-    "HPC_REQUEST_QUEUE": "demo-hpc-jobs",
     "HPC_POLL_SECONDS": "3",  # how often the job looks at its run's queue (default 30)
 }
 #: The job's settings in the workflow: a training of seconds on 2 cores, to show the path, not a
@@ -77,7 +87,7 @@ def say(text: str) -> None:
 
 def rodan_up(broker_url: str) -> dict[str, str]:
     """``rodan.sh up`` for the demo's Rodan, then its ``env`` (URL, account)."""
-    env = {**os.environ, **RODAN_ENV, "HPC_RABBITMQ_URL": broker_url}
+    env = {**os.environ, **RODAN_ENV, "HPC_REQUEST_QUEUE": REQUEST_QUEUE, "HPC_RABBITMQ_URL": broker_url}
     env.pop("HPC_DEV_RODAN_JOB_PACKAGES", None)
     package = REPO / "rodan_job" / "hpc_paco_trainer"
     up = subprocess.run(["bash", str(RODAN_SH), "up", "--job-package", str(package)], env=env, check=False)
@@ -85,6 +95,51 @@ def rodan_up(broker_url: str) -> dict[str, str]:
         raise SystemExit(f"deploy/dev/rodan.sh up failed (exit {up.returncode}); its log is above")
     printed = subprocess.run(["bash", str(RODAN_SH), "env"], env=env, capture_output=True, text=True, check=True)
     return dict(line.split("=", 1) for line in printed.stdout.splitlines() if "=" in line)
+
+
+def demo_queues(spool: Path) -> list[str]:
+    """The queues the demo leaves on the broker: its own, and the reply queues of its requests."""
+    names = [REQUEST_QUEUE, DEAD_LETTER_QUEUE, STATUS_QUEUE]
+    prefix = REPLY_QUEUE_PATTERN.removesuffix("*")
+    for path in sorted((spool / "ledger").glob("*.json")) if (spool / "ledger").is_dir() else []:
+        try:
+            reply_to = str(json.loads(path.read_text()).get("reply_to", ""))
+        except (OSError, ValueError, AttributeError):
+            continue
+        if reply_to.startswith(prefix) and reply_to not in names:
+            names.append(reply_to)
+    return names
+
+
+def delete_queues(broker_url: str, names: Iterable[str]) -> list[str]:
+    """Delete the queues ``names`` (one that is not there is fine); the ones that could not be."""
+    import pika
+    import pika.exceptions
+
+    names = list(names)
+    try:
+        connection = pika.BlockingConnection(pika.URLParameters(broker_url))
+    except pika.exceptions.AMQPError:
+        return names
+    left = []
+    try:
+        for name in names:
+            try:
+                connection.channel().queue_delete(queue=name)  # a refusal closes only its channel
+            except pika.exceptions.ChannelClosedByBroker as exc:
+                if exc.reply_code != 404:
+                    left.append(name)
+    except pika.exceptions.AMQPError:
+        left.extend(name for name in names if name not in left)
+    finally:
+        if connection.is_open:
+            connection.close()
+    return left
+
+
+def _terminated(signum: int, _frame: FrameType | None) -> None:
+    """SIGTERM ends the demo like Ctrl-C does: through its clean-up."""
+    raise SystemExit(128 + signum)
 
 
 def main() -> int:
@@ -95,6 +150,21 @@ def main() -> int:
 
     WORK.mkdir(parents=True, exist_ok=True)
     run_dir = Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=WORK))
+    spool = run_dir / "spool"
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        return _demo(args, broker_url, run_dir)
+    finally:  # however the demo ended: success, failure, Ctrl-C or SIGTERM
+        signal.signal(signal.SIGTERM, previous)
+        names = demo_queues(spool)
+        left = delete_queues(broker_url, names)
+        if left:
+            say(f"could not delete the demo's queues {', '.join(left)} from the broker: delete them by hand")
+        else:
+            say(f"deleted the demo's queues from the broker: {', '.join(names)}")
+
+
+def _demo(args: argparse.Namespace, broker_url: str, run_dir: Path) -> int:
     pages, spool, out = run_dir / "pages", run_dir / "spool", run_dir / "outputs"
     out.mkdir()
 
@@ -103,7 +173,8 @@ def main() -> int:
     api = Api.login(rodan["RODAN_URL"], rodan["RODAN_EMAIL"], rodan["RODAN_PASSWORD"])
     say(f"Rodan answers at {rodan['RODAN_URL']}/api/ (account {rodan['RODAN_EMAIL']})")
 
-    inputs, first_page = {}, {}
+    inputs: dict[str, Upload] = {}
+    first_page: dict[str, Path] = {}
     for n in (1, 2):
         page = make_sample_page(pages, generation="new", n_layers=2, height=224, width=256, seed=n)
         first_page = first_page or {name: pages / path.removeprefix("/uploads/") for name, path in page.items()}
@@ -123,9 +194,10 @@ def main() -> int:
                 "RODAN_SCHEME=http",
                 f"RODAN_EMAIL={rodan['RODAN_EMAIL']}",
                 f"RODAN_PASSWORD={rodan['RODAN_PASSWORD']}",
-                f"HPC_REQUEST_QUEUE={RODAN_ENV['HPC_REQUEST_QUEUE']}",
-                "HPC_REPLY_QUEUE=hpc-results.*",  # the job's run queues: hpc-results.<RunJob uuid>
-                "HPC_DEAD_LETTER_QUEUE=demo-hpc-dead-letter",
+                f"HPC_REQUEST_QUEUE={REQUEST_QUEUE}",
+                f"HPC_REPLY_QUEUE={REPLY_QUEUE_PATTERN}",  # the job's run queues: hpc-results.<RunJob uuid>
+                f"HPC_DEAD_LETTER_QUEUE={DEAD_LETTER_QUEUE}",
+                f"HPC_STATUS_QUEUE={STATUS_QUEUE}",
                 f"HPC_SPOOL_DIR={spool}",
                 f"HPC_WORKER_PYTHON={sys.executable}",
                 f"HPC_LOG_FILE={run_dir / 'bridge.log'}",

@@ -3,7 +3,9 @@
 # the real Rodan 3.1.0 (deploy/dev/rodan.sh, with our job package): a workflow run started through
 # Rodan's REST API, hpc-bridge passes as cron runs them against the real local Slurm, the worker's
 # training in the Slurm job, the models stored in Rodan, and Paco_classifier's own classifier run
-# on them in both TensorFlow versions Rodan uses. The last lines say where to look.
+# on them in both TensorFlow versions Rodan uses. The last lines say where to look. The demo's
+# queues are deleted from the broker when demo.py ends, whether it succeeded or failed (exec: the
+# Python process is the one a Ctrl-C or SIGTERM reaches).
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$repo"

@@ -6,14 +6,14 @@ Run as root on a machine set up by deploy/dev/setup.sh (RabbitMQ, Slurm, cron)::
     python3 deploy/dev/follow_guide.py --settings settings.json [--user hpcguide] [--section Install]
 
 It makes a fresh unprivileged account (deleting an old one of that name and everything it owns),
-starts cron if it is not running, snapshots this working tree (uncommitted and untracked files
-included, without touching the index) into a git repository the account can clone, and then runs
-every ```bash block of the guide's chosen sections, in order, as that account in a login shell,
-with ``set -euo pipefail``. A failing block stops the run (exit 1) with its output.
+starts cron if it is not running, builds a wheel of this working tree (uncommitted and untracked
+files included, ignored ones not) where the account can read it, and then runs every ```bash block
+of the guide's chosen sections, in order, as that account in a login shell, with
+``set -euo pipefail``. A failing block stops the run (exit 1) with its output.
 
 What the guide leaves to the reader is given here:
 
-- ``HPC_BRIDGE_REPO``: the snapshot's path;
+- ``HPC_BRIDGE_SOURCE``: the wheel's path (what the reader downloads from a release);
 - ``EDITOR``: a non-interactive editor that types the settings of ``--settings`` (a JSON object
   NAME -> value) into credentials.env the way a person would: a ``NAME=`` or ``# NAME=`` line is
   replaced, anything else is appended.
@@ -77,30 +77,25 @@ def blocks(guide: Path, sections: list[str]) -> list[tuple[str, str]]:
     return out
 
 
-def snapshot(dest: Path, owner: str) -> None:
-    """The working tree as a commit on ``main`` of the repository at ``dest`` (made if missing).
-
-    A second snapshot is a child of the first, so the guide's ``git pull --ff-only`` sees a release.
-    """
+def build_wheel(dest: Path) -> Path:
+    """A wheel of the working tree (tracked and untracked files, not ignored ones) in ``dest``."""
+    listed = run(["git", "-C", str(ROOT), "ls-files", "-z", "--cached", "--others", "--exclude-standard"])
+    for old in dest.glob("*.whl"):
+        old.unlink()
     with tempfile.TemporaryDirectory() as tmp:
-        env = {**os.environ, "GIT_INDEX_FILE": str(Path(tmp) / "index")}
-        git = ["git", "-C", str(ROOT)]
-        run([*git, "add", "-A"], env=env)
-        tree = run([*git, "write-tree"], env=env).stdout.strip()
-        if dest.exists():  # root works on it (git refuses a repository another user owns), then hands it back
-            run(["chown", "-R", "root:root", str(dest)])
-        else:
-            run(["git", "init", "-q", "--bare", "-b", "main", str(dest)])
-        bare = ["git", "-C", str(dest)]
-        parent = run([*bare, "rev-parse", "-q", "--verify", "refs/heads/main"], check=False).stdout.strip()
-        if parent:  # commit-tree needs the parent's object here (the fetch only writes FETCH_HEAD)
-            run([*git, "fetch", "-q", str(dest), "main"])
-        ident = {"GIT_AUTHOR_NAME": "guide", "GIT_AUTHOR_EMAIL": "guide@localhost"}
-        ident |= {"GIT_COMMITTER_NAME": "guide", "GIT_COMMITTER_EMAIL": "guide@localhost"}
-        parents = ["-p", parent] if parent else []
-        commit = run([*git, "commit-tree", tree, *parents, "-m", "working tree for follow_guide"], env={**env, **ident})
-        run([*git, "push", "-q", "-f", str(dest), f"{commit.stdout.strip()}:refs/heads/main"])
-    run(["chown", "-R", f"{owner}:{owner}", str(dest)])
+        tree = Path(tmp) / "tree"
+        for name in filter(None, listed.stdout.split("\0")):
+            source = ROOT / name
+            if source.is_file():  # a deleted file is still listed until committed
+                (tree / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(source, tree / name)  # links followed: the wheel holds their content
+        run(
+            [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dest), "."],
+            cwd=tree,
+            timeout=600,
+        )
+    [wheel] = dest.glob("*.whl")
+    return wheel
 
 
 def given_dir(user: str) -> Path:
@@ -171,7 +166,7 @@ def main() -> int:
         "--keep-account",
         action="store_true",
         help="follow on the account as a previous run left it (e.g. --section Upgrade after Install); "
-        "the working tree becomes a new commit the account can pull",
+        "the working tree becomes a new wheel to upgrade to",
     )
     args = parser.parse_args()
     if os.geteuid() != 0:
@@ -183,7 +178,7 @@ def main() -> int:
     if args.settings is None:
         parser.error("--settings is required")
 
-    given = given_dir(args.user)  # what the reader brings: the repository to clone, an editor
+    given = given_dir(args.user)  # what the reader brings: the wheel to install, an editor
     if args.keep_account:
         if not user_exists(args.user):
             parser.error(f"--keep-account: there is no account {args.user}")
@@ -197,15 +192,14 @@ def main() -> int:
 
     STATE.mkdir(mode=0o755, parents=True, exist_ok=True)
     given.mkdir(mode=0o700, exist_ok=True)
-    repo = given / "hpc-bridge.git"
-    snapshot(repo, args.user)
+    wheel = build_wheel(given)
     (given / "editor").write_text(EDITOR)
     (given / "editor").chmod(0o755)
     shutil.copy(args.settings, given / "settings.json")
     (given / "settings.json").chmod(0o600)
     run(["chown", "-R", f"{args.user}:{args.user}", str(given)])
 
-    reader = f"export HPC_BRIDGE_REPO={repo} EDITOR={given / 'editor'} GUIDE_SETTINGS={given / 'settings.json'}\n"
+    reader = f"export HPC_BRIDGE_SOURCE={wheel} EDITOR={given / 'editor'} GUIDE_SETTINGS={given / 'settings.json'}\n"
     steps = blocks(GUIDE, args.section)
     if not steps:
         say(f"no ```bash blocks in the sections {args.section}")

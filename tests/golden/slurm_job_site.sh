@@ -17,7 +17,7 @@
 #SBATCH --partition=gpu
 #SBATCH --mail-user=lab@example.org
 #SBATCH --mail-type=END,FAIL
-#SBATCH --qos=high
+#SBATCH --nice=10
 #SBATCH --constraint=v100
 #SBATCH --exclusive
 

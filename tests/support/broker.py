@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pika
+import pika.exceptions
 
 LOCAL_BROKER = "amqp://guest:guest@127.0.0.1:5672/%2F"
 
@@ -27,6 +28,30 @@ class Queues:
 
     def all(self) -> list[str]:
         return [self.request, self.reply, self.dead]
+
+
+def queue_exists(broker_url: str, name: str) -> bool:
+    """Whether the broker has queue ``name`` (a passive declare: 404 means no)."""
+    connection = pika.BlockingConnection(pika.URLParameters(broker_url))
+    try:
+        connection.channel().queue_declare(name, passive=True)
+        return True
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        if exc.reply_code != 404:
+            raise
+        return False
+    finally:
+        if connection.is_open:
+            connection.close()
+
+
+def delete_queues(broker_url: str, names: list[str]) -> None:
+    """Delete these queues (a missing one is no error)."""
+    connection = pika.BlockingConnection(pika.URLParameters(broker_url))
+    channel = connection.channel()
+    for name in names:
+        channel.queue_delete(name)
+    connection.close()
 
 
 @dataclass

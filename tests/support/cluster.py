@@ -7,8 +7,9 @@ import json
 import os
 import subprocess
 import xml.etree.ElementTree as ET
-from dataclasses import dataclass
+from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -62,14 +63,40 @@ def sge_accounted(name: str) -> list[str]:
     return [line.split()[1] for line in out.splitlines() if line.startswith("jobnumber")]
 
 
-# --- both schedulers behind one helper -----------------------------------------------------------
+# --- one helper per scheduler backend ---------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Cluster:
-    """One real scheduler, as the end-to-end tests need it (``HPC_SCHEDULER`` = ``name``)."""
+class Cluster(ABC):
+    """One real scheduler, as the end-to-end tests need it (``HPC_SCHEDULER`` = ``name``).
 
-    name: str
+    ``Cluster(name)`` is that backend's helper (as ``Path(...)`` is a ``PosixPath``): one subclass per
+    backend in :data:`CLUSTERS`, each with its own queue, accounting and cancel commands. A backend
+    without a helper raises, so a third backend's tests never run another scheduler's commands."""
+
+    name: ClassVar[str]
+
+    def __new__(cls, name: str) -> Cluster:
+        helper = CLUSTERS.get(name)
+        if helper is None:
+            raise ValueError(
+                f"no test cluster helper for the scheduler backend {name!r}: add a Cluster subclass for it to "
+                f"tests/support/cluster.py CLUSTERS (there are: {', '.join(sorted(CLUSTERS))})"
+            )
+        if cls is not Cluster and cls is not helper:
+            raise ValueError(f"{cls.__name__} is the helper for {cls.name!r}, not for {name!r}")
+        return super().__new__(helper)
+
+    def __init__(self, name: str) -> None:  # the name chose the class (__new__)
+        pass
+
+    def __repr__(self) -> str:
+        return f"Cluster({self.name!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Cluster) and other.name == self.name
+
+    def __hash__(self) -> int:
+        return hash(self.name)
 
     @property
     def backend(self) -> type[Scheduler]:
@@ -89,34 +116,127 @@ class Cluster:
         """Every command the bridge runs on this cluster."""
         return self.backend.commands
 
+    @abstractmethod
     def jobs_named(self, name: str) -> list[str]:
         """Every job with this name, live or in accounting."""
-        if self.name == "slurm":
-            return jobs_named(name)
+
+    def jobs_by_name(self, names: list[str]) -> dict[str, list[str]]:
+        """:meth:`jobs_named` of each name (a backend may ask once for them all)."""
+        return {name: self.jobs_named(name) for name in names}
+
+    @abstractmethod
+    def jobs_started(self, name: str) -> list[str]:
+        """Jobs with this name whose batch script ran."""
+
+    @abstractmethod
+    def live_names(self) -> set[str]:
+        """The names of every job in the live queue (any user's, any state)."""
+
+    @abstractmethod
+    def is_running(self, job_id: str) -> bool:
+        """Whether the job runs now."""
+
+    @abstractmethod
+    def is_active(self, job_id: str) -> bool:
+        """Whether the scheduler still holds the job (pending, held, running, requeued)."""
+
+    @abstractmethod
+    def cancel(self, job_id: str) -> None: ...
+
+    @abstractmethod
+    def cancel_named(self, name: str) -> None:
+        """Cancel every live job with this name."""
+
+
+class SlurmCluster(Cluster):
+    name = "slurm"
+
+    def jobs_named(self, name: str) -> list[str]:
+        return jobs_named(name)
+
+    def jobs_by_name(self, names: list[str]) -> dict[str, list[str]]:
+        """Fifty names per squeue/sacct call: a crash test asks for hundreds."""
+        found: dict[str, set[str]] = {name: set() for name in names}
+        for start in range(0, len(names), 50):
+            chunk = ",".join(names[start : start + 50])
+            live = subprocess.run(
+                ["squeue", "-h", "-t", "all", "--name", chunk, "-o", "%j|%i"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            ).stdout
+            acct = subprocess.run(
+                ["sacct", "-a", "-n", "-X", "-P", "--name", chunk, "-S", "now-1days", "-o", "JobName,JobIDRaw"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            ).stdout
+            for line in (*live.splitlines(), *acct.splitlines()):
+                job_name, _, job_id = line.strip().partition("|")
+                if job_name in found and job_id:
+                    found[job_name].add(job_id)
+        return {name: sorted(ids, key=int) for name, ids in found.items()}
+
+    def jobs_started(self, name: str) -> list[str]:
+        return jobs_started(name)
+
+    def live_names(self) -> set[str]:
+        out = subprocess.run(["squeue", "-h", "-o", "%j"], capture_output=True, text=True, timeout=60)
+        return set(out.stdout.split())
+
+    def _state(self, job_id: str) -> str:
+        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=30)
+        return out.stdout.strip()
+
+    def is_running(self, job_id: str) -> bool:
+        return self._state(job_id) == "RUNNING"
+
+    def is_active(self, job_id: str) -> bool:
+        return self._state(job_id) in {"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED"}
+
+    def cancel(self, job_id: str) -> None:
+        subprocess.run(["scancel", job_id], capture_output=True, timeout=30)
+
+    def cancel_named(self, name: str) -> None:
+        subprocess.run(["scancel", "--name", name], capture_output=True, timeout=30)
+
+
+class GridEngineCluster(Cluster):
+    name = "gridengine"
+
+    def jobs_named(self, name: str) -> list[str]:
         return sorted({*sge_live(name), *sge_accounted(name)}, key=int)
 
     def jobs_started(self, name: str) -> list[str]:
-        """Jobs with this name whose batch script ran."""
-        if self.name == "slurm":
-            return jobs_started(name)
         return sorted(set(sge_accounted(name)), key=int)  # a refused or never-started job has no record
 
+    def live_names(self) -> set[str]:
+        out = subprocess.run(["qstat", "-xml", "-u", "*"], capture_output=True, text=True, timeout=30).stdout
+        if not out.strip():
+            return set()
+        return {job.findtext("JB_name", "") for job in ET.fromstring(out).iter("job_list")}
+
+    def _states(self) -> dict[str, str]:
+        """Live job id -> qstat's state letters."""
+        out = subprocess.run(["qstat", "-u", "*"], capture_output=True, text=True, timeout=30).stdout
+        return {line.split()[0]: line.split()[4] for line in out.splitlines() if len(line.split()) > 4}
+
     def is_running(self, job_id: str) -> bool:
-        if self.name == "slurm":
-            out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
-            return out.stdout.strip() == "RUNNING"
-        out = subprocess.run(["qstat", "-u", "*"], capture_output=True, text=True).stdout
-        return any(line.split()[:1] == [job_id] and line.split()[4] == "r" for line in out.splitlines())
+        return self._states().get(job_id) == "r"
+
+    def is_active(self, job_id: str) -> bool:
+        return job_id in self._states()
 
     def cancel(self, job_id: str) -> None:
-        subprocess.run(["scancel" if self.name == "slurm" else "qdel", job_id], capture_output=True, timeout=30)
+        subprocess.run(["qdel", job_id], capture_output=True, timeout=30)
 
     def cancel_named(self, name: str) -> None:
-        if self.name == "slurm":
-            subprocess.run(["scancel", "--name", name], capture_output=True, timeout=30)
-        else:
-            for job_id in sge_live(name):
-                self.cancel(job_id)
+        for job_id in sge_live(name):
+            self.cancel(job_id)
+
+
+#: The helper of each scheduler backend the tests run on (tests/test_cluster_helper.py: every one).
+CLUSTERS: dict[str, type[Cluster]] = {helper.name: helper for helper in (SlurmCluster, GridEngineCluster)}
 
 
 def cancel_ledger_jobs(spool: Path, cluster: Cluster) -> None:

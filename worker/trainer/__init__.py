@@ -4,7 +4,9 @@ This package only trains: it never talks to RabbitMQ or Rodan (the worker around
 downloads the inputs and sends the models back).
 
 Importing it does not import TensorFlow: :func:`train_page` and :func:`train_pages` (and
-so Keras) are loaded on first use, so the checkpoint machinery (:class:`CheckpointStore`,
+so Keras) are loaded on first use, and so is ``keras`` itself (on the backend the worker
+environment chose: :mod:`worker.trainer.backend`), for code outside the trainer that needs the
+trainer's Keras (``consumers/``); so the checkpoint machinery (:class:`CheckpointStore`,
 :func:`open_checkpoints`, :class:`TrainingInterrupted`) is cheap to import, e.g. in a process
 that only copies or checks checkpoints.
 """
@@ -20,6 +22,7 @@ from worker.trainer.settings import TrainSettings
 from worker.trainer.sync import open_checkpoints
 
 if TYPE_CHECKING:
+    from worker.trainer._keras import keras
     from worker.trainer.train import train_page, train_pages
 
 __all__ = [
@@ -28,6 +31,7 @@ __all__ = [
     "TrainSettings",
     "TrainingInputError",
     "TrainingInterrupted",
+    "keras",
     "load_page",
     "open_checkpoints",
     "train_page",
@@ -40,4 +44,8 @@ def __getattr__(name: str) -> Any:
         from worker.trainer import train
 
         return getattr(train, name)
+    if name == "keras":
+        from worker.trainer._keras import keras
+
+        return keras
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
