@@ -7,6 +7,7 @@ submitted again, and a request already answered is never answered again.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
@@ -116,11 +117,23 @@ class Ledger:
         self.save(record)
 
     def all(self) -> Iterator[RequestRecord]:
-        for path in sorted(self.spool.ledger_dir.glob("*.json")):
+        """Every record, in key order, read one at a time: a pass over the whole ledger (every
+        reconciliation, the status message, the metrics) holds the names of HPC_RETENTION_DAYS' worth
+        of records (about 100 bytes each), never the records or a ``Path`` each (benchmarks/README.md,
+        "Months of running")."""
+        for name in self.names():
             try:
-                yield RequestRecord.from_json(read_json(path))
+                yield RequestRecord.from_json(read_json(self.spool.ledger_dir / name))
             except (OSError, ValueError):
                 continue
+
+    def names(self) -> list[str]:
+        """The ledger's file names (``KEY.json``), sorted; none while the folder does not exist."""
+        try:
+            with os.scandir(self.spool.ledger_dir) as entries:
+                return sorted(e.name for e in entries if e.name.endswith(".json") and not e.name.startswith("."))
+        except FileNotFoundError:
+            return []
 
     def in_state(self, *states: RequestState) -> list[RequestRecord]:
         return [r for r in self.all() if r.state in states]

@@ -6,9 +6,10 @@ the connection (heartbeats), so a long submit never drops the connection.
 
 A pass: publish staged replies -> take at most ``HPC_DRAIN_BATCH`` requests ->
 give deferred requests back -> reconcile submitted jobs -> publish staged replies
-(-> prune settled requests, at most hourly). Work that reads the whole ledger runs on
-the helper thread too. No message, and no defect met in a pass, ends the daemon: a
-failed pass is logged with its traceback and the next one starts after a backoff.
+(-> prune settled requests: hourly, or every quarter of a shorter HPC_RETENTION_DAYS). Work that
+reads the whole ledger runs on the helper thread too, one record at a time. No message, and no
+defect met in a pass, ends the daemon: a failed pass is logged with its traceback and the next one
+starts after a backoff.
 
 How requests come in. ``check`` (one cron pass, then exit) reads the queue with ``basic_get``
 until it is empty. The daemon (``run``) is a consumer: ``basic_consume`` with prefetch 1, so
@@ -41,6 +42,8 @@ logged and never touches the requests.
 from __future__ import annotations
 
 import contextvars
+import ctypes
+import os
 import signal
 import threading
 import time
@@ -48,6 +51,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from functools import partial
 from types import FrameType
 from typing import Any, TypeVar
 
@@ -82,6 +86,9 @@ from bridge.spool import Spool
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
 PRUNE_INTERVAL_S = 3600.0
+#: ... or more often: at least this many prunes per HPC_RETENTION_DAYS, so that a short retention is
+#: kept to (a settled record lives at most 1.25 times it), and with it what a pass over the ledger reads.
+PRUNES_PER_RETENTION = 4
 #: Deferred requests held unacked at once (each after a consumer restart); beyond: intake pauses.
 HELD_LIMIT = 100
 #: A call on the helper thread running longer than this is taken as hung: no more watchdog pings.
@@ -91,6 +98,32 @@ PREFETCH = 1
 RECOVERABLE: tuple[type[BaseException], ...] = (BrokerUnavailable, *CONNECTION_ERRORS)
 #: What may go wrong with the status message (NoRoute: its queue was deleted meanwhile): logged only.
 STATUS_ERRORS: tuple[type[BaseException], ...] = (NoRoute, *RECOVERABLE)
+#: glibc's mallopt parameter M_MMAP_THRESHOLD, and what the daemon pins it at (glibc's default).
+M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES = -3, 128 * 1024
+
+
+def pin_mmap_threshold() -> bool:
+    """Keep the daemon's memory from ratcheting up in glibc's heap (benchmarks/README.md, "Months of
+    running"); True when pinned.
+
+    glibc gives a block of M_MMAP_THRESHOLD (128 KiB) or more a mapping of its own, unmapped when
+    freed; but the first time such a block is freed it raises the threshold to that size, and from
+    then on blocks that large come from the heap, where smaller ones soon split the space each one
+    leaves, so the next needs new pages. The daemon reallocates one such block for ever: CPython
+    3.11's table of interned strings (about 1.9 MiB; pathlib interns every path component, so each
+    temporary file name written and each ledger file name read is a new entry, and the table is
+    rebuilt whenever deleted entries fill it). Each rebuild left about 1.9 MiB more resident. Set
+    explicitly, the threshold no longer moves. MALLOC_MMAP_THRESHOLD_ in the environment wins; not
+    glibc: nothing to do.
+    """
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
 
 
 @dataclass
@@ -220,6 +253,7 @@ class Bridge:
                 log.error("bridge_lock_busy", note="another hpc-bridge is working on this spool")
                 return 1
             self.mode = "daemon"
+            pin_mmap_threshold()
             log.info(
                 "daemon_start",
                 broker=describe_url(self.config.broker_url),
@@ -292,8 +326,13 @@ class Bridge:
             self._off_connection_thread(self.write_metrics)
             if time.monotonic() >= self._next_prune:
                 self._off_connection_thread(self.prune)
-                self._next_prune = time.monotonic() + PRUNE_INTERVAL_S
+                self._next_prune = time.monotonic() + self.prune_interval_s
         return stats
+
+    @property
+    def prune_interval_s(self) -> float:
+        """Hourly, or a quarter of HPC_RETENTION_DAYS where that is shorter (at least a minute)."""
+        return max(60.0, min(PRUNE_INTERVAL_S, self.config.retention_days * 86400.0 / PRUNES_PER_RETENTION))
 
     def prune(self) -> None:
         """Forget requests settled longer than HPC_RETENTION_DAYS ago (a failure is logged, never fatal)."""
@@ -567,7 +606,6 @@ class Bridge:
         """Publish the status message (and update systemd's STATUS= line); never raises for the broker."""
         if not self.config.status_queue and not self.notifier.enabled:
             return
-        records = self._off_connection_thread(lambda: list(self.ledger.all()))
         from bridge.ops.metrics import outbox_size
 
         outbox = self._off_connection_thread(outbox_size, self.spool)
@@ -580,20 +618,24 @@ class Bridge:
         except STATUS_ERRORS as exc:
             self._status_failed(exc)
             channel = None  # the STATUS= line still says what is known; nothing is published
-        status = build_status(
-            records,
-            mode=self.mode,
-            scheduler=self.scheduler.name,
-            request_queue=self.config.request_queue,
-            interval_s=self.config.status_interval_s if self.mode == "daemon" else None,
-            started_at=self.started_at,
-            last_pass_at=self.last_pass_at,
-            last_pass_ok=self.last_pass_ok,
-            passes=self.passes,
-            held=len(self._deferred),
-            outbox=outbox,
-            queues=queues,
-            broker_connected=self._connection is not None and self._connection.is_open,
+        # Counted on the helper thread as the ledger is read, one record at a time (never a list of them).
+        status = self._off_connection_thread(
+            partial(
+                build_status,
+                self.ledger.all(),
+                mode=self.mode,
+                scheduler=self.scheduler.name,
+                request_queue=self.config.request_queue,
+                interval_s=self.config.status_interval_s if self.mode == "daemon" else None,
+                started_at=self.started_at,
+                last_pass_at=self.last_pass_at,
+                last_pass_ok=self.last_pass_ok,
+                passes=self.passes,
+                held=len(self._deferred),
+                outbox=outbox,
+                queues=queues,
+                broker_connected=self._connection is not None and self._connection.is_open,
+            )
         )
         if self.mode == "daemon":
             self.notifier.status(status_line(status))

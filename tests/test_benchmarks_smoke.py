@@ -21,6 +21,7 @@ CASES = {
     "bench_download.py": ["server", "client", "best MB/s", "median MB/s", "worst MB/s"],
     "bench_reply.py": ["path", "median ms", "best ms", "peak RSS growth MB (median)"],
     "bench_idle.py": ["phase", "wall s", "CPU s (daemon)", "CPU %", "RSS MiB at end", "peak RSS MiB"],
+    "bench_soak.py": ["metric", "value"],
     "bench_paco.py": ["side", "samples/s", "ms / step", "peak RSS MiB"],
     "bench_patch_share.py": ["layer", "page share", "ours: target share", "paco: target share"],
     "bench_sampling.py": ["method", "seconds", "Background", "Neumes", "StaffLines"],
@@ -48,8 +49,8 @@ CASES = {
 ORIGINAL_STACK = {"bench_trainer.py"}
 #: Modules the scripts import, not scripts themselves: they have no --quick.
 HELPERS = {"benchlib.py", "tables.py", "timeline.py", "paco_side.py", "original_sampler.py"}
-NEEDS_BROKER = {"bench_pickup.py", "bench_intake.py", "bench_reply.py", "bench_idle.py"}
-NEEDS_SLURM = {"bench_pickup.py", "bench_intake.py", "bench_idle.py"}
+NEEDS_BROKER = {"bench_pickup.py", "bench_intake.py", "bench_reply.py", "bench_idle.py", "bench_soak.py"}
+NEEDS_SLURM = {"bench_pickup.py", "bench_intake.py", "bench_idle.py", "bench_soak.py"}
 #: Real TensorFlow (a model fitted, or TensorFlow imported in a fresh process), ours in .venv and for
 #: bench_paco.py Paco_classifier's in the TF 2.15.1 consumer environment. Each quick run is 20-45 s on
 #: 2 busy cores; bench_paco.py's about a minute on 2 quiet cores, several minutes when other tests share them.

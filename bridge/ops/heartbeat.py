@@ -24,7 +24,7 @@ import os
 import socket
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -77,12 +77,24 @@ def build_status(
     broker_connected: bool,
     now: float | None = None,
 ) -> dict[str, Any]:
-    """The status message as a JSON-ready dict (counts from the ledger; nothing secret)."""
-    items = list(records)
+    """The status message as a JSON-ready dict (counts from the ledger; nothing secret).
+
+    One pass over ``records``, never a list of them (a ledger holds HPC_RETENTION_DAYS of requests)."""
     now = time.time() if now is None else now
-    by_state = Counter(display_state(r) for r in items)
-    jobs = Counter((r.job_state or "UNKNOWN").upper() for r in items if r.state is RequestState.SUBMITTED)
-    in_flight = sum(1 for r in items if not r.state.is_final)
+    by_state: Counter[str] = Counter()
+    jobs: Counter[str] = Counter()
+    in_flight = 0
+
+    def tallied() -> Iterator[RequestRecord]:
+        nonlocal in_flight
+        for r in records:
+            by_state[display_state(r)] += 1
+            if r.state is RequestState.SUBMITTED:
+                jobs[(r.job_state or "UNKNOWN").upper()] += 1
+            in_flight += not r.state.is_final
+            yield r
+
+    totals = count(tallied())
     return {
         "type": MESSAGE_TYPE,
         "schema": SCHEMA,
@@ -108,7 +120,7 @@ def build_status(
         "jobs_by_state": dict(sorted(jobs.items())),
         "dead_letters": queues.dead_letters,
         "outbox_replies": outbox,
-        "totals": count(items).to_json(),
+        "totals": totals.to_json(),
     }
 
 

@@ -19,7 +19,7 @@ import math
 import os
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,16 +91,26 @@ class Counters:
 
 
 def count(records: Iterable[RequestRecord]) -> Counters:
-    items = list(records)
+    """The counters, in one pass over ``records``: a ledger (``Ledger.all()``) is read one record at a
+    time, never held whole (the daemon's memory would grow with the records kept)."""
+    n: Counter[str] = Counter()
+    for r in records:
+        n["received"] += 1
+        n["submitted"] += bool(r.job_id or r.submitted_at)
+        if r.state is RequestState.REPLIED:
+            n[{"error": "replied_error", "expired": "reply_expired"}.get(r.outcome, "replied_ok")] += 1
+        n["rejected"] += r.state is RequestState.REJECTED
+        n["dead_lettered"] += bool(r.dead_lettered)
+        n["continuations"] += r.continuations
     return Counters(
-        received=len(items),
-        submitted=sum(1 for r in items if r.job_id or r.submitted_at),
-        replied_ok=sum(1 for r in items if r.state is RequestState.REPLIED and r.outcome not in ("error", "expired")),
-        replied_error=sum(1 for r in items if r.state is RequestState.REPLIED and r.outcome == "error"),
-        reply_expired=sum(1 for r in items if r.state is RequestState.REPLIED and r.outcome == "expired"),
-        rejected=sum(1 for r in items if r.state is RequestState.REJECTED),
-        dead_lettered=sum(1 for r in items if r.dead_lettered),
-        continuations=sum(r.continuations for r in items),
+        received=n["received"],
+        submitted=n["submitted"],
+        replied_ok=n["replied_ok"],
+        replied_error=n["replied_error"],
+        reply_expired=n["reply_expired"],
+        rejected=n["rejected"],
+        dead_lettered=n["dead_lettered"],
+        continuations=n["continuations"],
     )
 
 
@@ -125,10 +135,34 @@ def render(
     now: float | None = None,
     instance: str = DEFAULT_INSTANCE,
 ) -> str:
-    """The metrics in Prometheus text format. ``job_states``: correlation id -> scheduler state."""
-    items = list(records)
+    """The metrics in Prometheus text format. ``job_states``: correlation id -> scheduler state.
+
+    One pass over ``records`` (see :func:`count`): what the families need is tallied on the way."""
     states = job_states or {}
-    counters = count(items)
+    bounds = (*LATENCY_BUCKETS, math.inf)
+    hits = [0] * len(bounds)
+    latency_sum, latency_count = 0.0, 0
+    by_state: Counter[str] = Counter()
+    jobs: Counter[str] = Counter()
+    open_since: float | None = None
+
+    def tallied() -> Iterator[RequestRecord]:
+        nonlocal latency_sum, latency_count, open_since
+        for r in records:
+            if r.state.is_final and r.replied_at > 0:
+                latency = r.replied_at - r.created_at
+                for i, bound in enumerate(bounds):
+                    hits[i] += latency <= bound
+                latency_sum += latency
+                latency_count += 1
+            by_state[display_state(r, states.get(r.correlation_id))] += 1
+            if r.state is RequestState.SUBMITTED:
+                jobs[job_state_word(r.scheduler, states.get(r.correlation_id) or r.job_state or "UNKNOWN")] += 1
+            if not r.state.is_final:
+                open_since = r.created_at if open_since is None else min(open_since, r.created_at)
+            yield r
+
+    counters = count(tallied())
     lines: list[str] = []
 
     def family(name: str, kind: str, help_text: str) -> None:
@@ -151,31 +185,22 @@ def render(
     lines.append(f"hpc_bridge_continuations_total {counters.continuations}")
 
     family("hpc_bridge_reply_latency_seconds", "histogram", "Seconds from receiving a request to its final reply.")
-    latencies = [r.replied_at - r.created_at for r in items if r.state.is_final and r.replied_at > 0]
-    for bound in (*LATENCY_BUCKETS, math.inf):
-        hits = sum(1 for x in latencies if x <= bound)
-        lines.append(f'hpc_bridge_reply_latency_seconds_bucket{{le="{_fmt(bound)}"}} {hits}')
-    lines.append(f"hpc_bridge_reply_latency_seconds_sum {_fmt(round(sum(latencies), 3))}")
-    lines.append(f"hpc_bridge_reply_latency_seconds_count {len(latencies)}")
+    for bound, hit in zip(bounds, hits, strict=True):
+        lines.append(f'hpc_bridge_reply_latency_seconds_bucket{{le="{_fmt(bound)}"}} {hit}')
+    lines.append(f"hpc_bridge_reply_latency_seconds_sum {_fmt(round(latency_sum, 3))}")
+    lines.append(f"hpc_bridge_reply_latency_seconds_count {latency_count}")
 
     family("hpc_bridge_ledger_requests", "gauge", "Requests the ledger holds, by state.")
-    by_state = Counter(display_state(r, states.get(r.correlation_id)) for r in items)
     for state in STATES:
         lines.append(f'hpc_bridge_ledger_requests{{state="{state}"}} {by_state.get(state, 0)}')
     family("hpc_bridge_jobs", "gauge", "Jobs of open requests, by the scheduler state last seen.")
-    jobs = Counter(
-        job_state_word(r.scheduler, states.get(r.correlation_id) or r.job_state or "UNKNOWN")
-        for r in items
-        if r.state is RequestState.SUBMITTED
-    )
     for job_state in sorted(jobs):
         lines.append(f'hpc_bridge_jobs{{state="{job_state}"}} {jobs[job_state]}')
     family("hpc_bridge_outbox_replies", "gauge", "Replies staged on disk and not yet published.")
     lines.append(f"hpc_bridge_outbox_replies {outbox}")
     clock = now if now is not None else time.time()
     family("hpc_bridge_oldest_open_request_age_seconds", "gauge", "Age of the oldest unanswered request (0: none).")
-    open_since = [r.created_at for r in items if not r.state.is_final]
-    oldest = max(0.0, clock - min(open_since)) if open_since else 0.0
+    oldest = max(0.0, clock - open_since) if open_since is not None else 0.0
     lines.append(f"hpc_bridge_oldest_open_request_age_seconds {_fmt(round(oldest, 3))}")
     family("hpc_bridge_build_info", "gauge", "Always 1; the version label is the bridge's package version.")
     lines.append(f'hpc_bridge_build_info{{version="{package_version()}"}} 1')

@@ -4,8 +4,9 @@ A settled request is one that has had its final reply (or was rejected and dead-
 its reply expired). After the retention period its ledger record, reply marker, job folder
 (batch script, scheduler output) and run directories (job.log, metrics, TensorBoard files) are
 deleted, so the spool does not grow for ever. The bridge runs this itself after a pass, at most
-hourly; the command is for operators who want to see what goes (``--dry-run``) or choose another
-age (``--older-than``).
+hourly (every quarter of a retention under four hours: ``Bridge.prune_interval_s``); the
+command is for operators who want to see what goes (``--dry-run``) or choose another age
+(``--older-than``).
 
 What is kept is what a redelivery still needs: a request forgotten here and delivered again
 would be handled as new, which is why the retention period is counted in days, far beyond any
