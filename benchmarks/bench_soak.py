@@ -15,7 +15,7 @@ settled records during the run: RSS should level off at what retention and a pas
 not grow with the requests served.
 
     .venv/bin/python benchmarks/bench_soak.py                  # 20,000 requests at up to 6/s; about an hour
-    .venv/bin/python benchmarks/bench_soak.py --quick          # smoke test: 300 requests, ~30 s
+    .venv/bin/python benchmarks/bench_soak.py --quick          # smoke test: 150 requests, ~20 s
     .venv/bin/python benchmarks/bench_soak.py --out soak.csv   # every sample as CSV (or .json)
     .venv/bin/python benchmarks/bench_soak.py --tree DIR       # the daemon from another tree: before/after
 """
@@ -362,10 +362,10 @@ def main() -> int:
         type=Path,
         help="run the daemon from this source tree (e.g. `git archive` of an older commit): before and after",
     )
-    parser.add_argument("--quick", action="store_true", help="smoke test: 300 requests at up to 30/s, ~30 s")
+    parser.add_argument("--quick", action="store_true", help="smoke test: 150 requests at up to 30/s, ~20 s")
     args = parser.parse_args()
     if args.quick:
-        args.requests, args.rate, args.valid_every, args.interval = 300, 30.0, 60, 2.0
+        args.requests, args.rate, args.valid_every, args.interval = 150, 30.0, 50, 2.0
         args.retention_minutes = 0.25
     extra = dict(item.split("=", 1) for item in args.env)
 
