@@ -247,15 +247,14 @@ def _enqueue(config: BridgeConfig, args: argparse.Namespace) -> int:
     from bridge.enqueue import RequestWatcher, progress_poller, publish_request, save_models, wait_for_reply
     from bridge.ops.status import runs_dir
     from bridge.progress import Progress
+    from bridge.protocol import settings_from_args
 
     inputs = json.loads(args.inputs.read_text())
-    settings: dict[str, Any] = {}
-    for item in args.setting:
-        name, sep, value = item.partition("=")
-        if not sep:
-            print(f"hpc-bridge: --setting expects NAME=VALUE, got {item!r}", file=sys.stderr)
-            return 2
-        settings[name] = int(value) if value.lstrip("-").isdigit() else value
+    try:
+        settings = settings_from_args(args.setting)
+    except ValueError as exc:
+        print(f"hpc-bridge: {exc}", file=sys.stderr)
+        return 2
     correlation_id = publish_request(
         config.broker_url, inputs, settings, request_queue=config.request_queue, reply_queue=config.reply_queue
     )

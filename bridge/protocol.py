@@ -528,6 +528,18 @@ def reply_is_error(body: bytes) -> bool:
     return isinstance(data, dict) and set(data) == {"error"}
 
 
+def settings_from_args(items: list[str]) -> dict[str, Any]:
+    """Rodan settings from ``--setting NAME=VALUE`` arguments (a whole number becomes an int, as
+    Rodan sends it). Raises ValueError for an item without ``=``."""
+    settings: dict[str, Any] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--setting expects NAME=VALUE, got {item!r}")
+        settings[name] = int(value) if value.lstrip("-").isdigit() else value
+    return settings
+
+
 def build_request_body(inputs: Mapping[str, str], settings: Mapping[str, Any]) -> bytes:
     """The body Rodan's task publishes (used by ``hpc-bridge enqueue`` and tests)."""
     return json.dumps({"inputs": dict(inputs), "settings": dict(settings)}).encode("utf-8")

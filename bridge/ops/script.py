@@ -22,7 +22,7 @@ from typing import Any
 from bridge.config import BridgeConfig, contains_secret
 from bridge.errors import InvalidRequest
 from bridge.intake import rodan_job_spec
-from bridge.protocol import SAMPLE_PREFIX, build_request_body, parse_request
+from bridge.protocol import SAMPLE_PREFIX, build_request_body, parse_request, settings_from_args
 from bridge.schedulers import get_scheduler
 from bridge.spool import Spool, safe_key
 
@@ -82,12 +82,7 @@ def request_body(path: Path | None, settings: list[str]) -> bytes:
     )
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a request body is a JSON object with 'inputs' and 'settings'")
-    given = dict(data.get("settings") or {})
-    for item in settings:
-        name, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--setting expects NAME=VALUE, got {item!r}")
-        given[name] = int(value) if value.lstrip("-").isdigit() else value
+    given = {**dict(data.get("settings") or {}), **settings_from_args(settings)}
     return build_request_body(dict(data.get("inputs") or {}), given)
 
 
