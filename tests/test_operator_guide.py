@@ -112,10 +112,22 @@ def test_following_the_operator_guide_gives_a_working_cron_deployment(
             what="a pass from cron recording the reply",
         )
         assert record["outcome"] == "ok"
-        accounted = subprocess.run(
-            ["sacct", "-n", "-X", "-P", "-j", str(record["job_id"]), "-o", "User,State"], capture_output=True, text=True
-        ).stdout.split()
-        assert accounted[0] == f"{USER}|COMPLETED", accounted  # the job ran as the operator, not root
+
+        def accounted() -> list[str]:
+            return subprocess.run(
+                ["sacct", "-n", "-X", "-P", "-j", str(record["job_id"]), "-o", "User,State"],
+                capture_output=True,
+                text=True,
+            ).stdout.split()
+
+        # The worker replies before its job script exits, and a pass from cron may record the reply first.
+        ended = wait_until(
+            lambda: (a := accounted()) and not a[0].endswith(("|RUNNING", "|PENDING", "|COMPLETING")) and a,
+            timeout=120,
+            interval=2,
+            what="the job's end in accounting",
+        )
+        assert ended[0] == f"{USER}|COMPLETED", ended  # the job ran as the operator, not root
         logs = home / ".local" / "state" / "hpc-bridge" / "default"
         events = [json.loads(line) for line in (logs / "run_check.log").read_text().splitlines()]
         done = [e for e in events if e.get("event") == "run_check_done"]

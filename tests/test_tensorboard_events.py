@@ -99,7 +99,9 @@ def test_tensorflow_reads_the_file_version_and_every_scalar(tmp_path: Path) -> N
     assert [e.wall_time for e in read[1:]] == sorted(e.wall_time for e in read[1:])
 
 
-def test_tensorboard_reads_the_scalars(tmp_path: Path) -> None:
+def test_tensorboard_reads_the_scalars(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A process's 9th and 10th files: TensorBoard reads a folder in name order, and "10" sorts before "9".
+    monkeypatch.setattr(tensorboard_events, "_files", itertools.count(9))
     before = time.time()
     write(tmp_path, SCALARS[:2])
     write(tmp_path, SCALARS[2:])  # a second file in the same folder, as after a resumed fit
@@ -157,8 +159,8 @@ def test_writers_never_share_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(tensorboard_events, "_files", itertools.chain([7, 7], itertools.count(8)))  # the same <n>
     first, second = EventFileWriter(tmp_path), EventFileWriter(tmp_path)
     assert (first.path.name, second.path.name) == (
-        f"events.out.tfevents.1700000000.{socket.gethostname()}.{os.getpid()}.7.v2",
-        f"events.out.tfevents.1700000000.{socket.gethostname()}.{os.getpid()}.8.v2",
+        f"events.out.tfevents.1700000000.{socket.gethostname()}.{os.getpid()}.000007.v2",
+        f"events.out.tfevents.1700000000.{socket.gethostname()}.{os.getpid()}.000008.v2",
     )
     first.close()
     first.close()  # again: nothing happens

@@ -27,7 +27,7 @@ def jobs_named(name: str) -> list[str]:
         ["sacct", "-n", "-X", "-P", "--name", name, "-S", "now-1days", "-o", "JobIDRaw"], capture_output=True, text=True
     )
     ids.update(x.strip() for x in acct.stdout.split() if x.strip())
-    return sorted(ids)
+    return sorted(ids, key=int)  # numerically: 99 comes before 100
 
 
 def jobs_started(name: str) -> list[str]:
@@ -39,7 +39,7 @@ def jobs_started(name: str) -> list[str]:
         text=True,
     )
     steps = acct.stdout.split()
-    return sorted(s.removesuffix(".batch") for s in steps if s.endswith(".batch"))
+    return sorted((s.removesuffix(".batch") for s in steps if s.endswith(".batch")), key=int)
 
 
 # --- Grid Engine -------------------------------------------------------------------------------

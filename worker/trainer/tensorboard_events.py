@@ -6,7 +6,9 @@ writes its epoch scalars with :class:`EpochTensorBoard` instead, on every backen
 same tags at the same steps, in files that TensorBoard and ``tf.compat.v1.train.summary_iterator``
 read, with nothing but the standard library.
 
-The format: a file ``events.out.tfevents.<seconds>.<host>.<pid>.<n>.v2`` is a sequence of
+The format: a file ``events.out.tfevents.<seconds>.<host>.<pid>.<n>.v2`` (``<n>`` zero-padded, so that
+TensorBoard, which reads a folder's files in name order, reads one second's files in the order they
+were written) is a sequence of
 TFRecords, each ``uint64 length``, ``uint32 masked CRC32C of those 8 bytes``, ``data``,
 ``uint32 masked CRC32C of data`` (little-endian). Each record's data is one serialized
 ``tensorflow.Event`` protocol buffer, encoded here by hand; only these fields are used::
@@ -121,7 +123,7 @@ class EventFileWriter:
         directory = Path(log_dir)
         directory.mkdir(parents=True, exist_ok=True)
         while True:
-            name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}.{next(_files)}.v2"
+            name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}.{next(_files):06d}.v2"
             try:
                 self._file = open(directory / name, "xb")  # closed by close()
                 break
