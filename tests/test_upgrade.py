@@ -18,6 +18,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -253,3 +254,28 @@ def test_upgrade_builds_the_worker_switches_current_under_the_lock_and_runs_doct
     assert re.search(r"(?m)^(ok|FAIL|warn|skip)\s+worker: .*" + re.escape(str(site.envs / "current")), done.stdout)
     assert re.search(r"(?m)^\d+ failed, \d+ warnings$", done.stdout)
     assert f"upgraded to {NEW_VERSION}; doctor exited {done.returncode}" in done.stdout
+
+    # --skip-worker (a site whose worker is an Apptainer image): the bridge is reinstalled, no
+    # worker environment is built, `current` stays where it was.
+    envs_before = sorted(p.name for p in site.envs.iterdir())
+    bridge_only = site.upgrade("--skip-worker")
+    assert bridge_only.returncode == done.returncode, bridge_only.stdout + bridge_only.stderr
+    assert "worker extra" not in bridge_only.stdout and f"creating {site.envs}" not in bridge_only.stdout
+    assert f"upgraded to {NEW_VERSION}; doctor exited" in bridge_only.stdout
+    assert sorted(p.name for p in site.envs.iterdir()) == envs_before
+    assert os.readlink(site.envs / "current") == new.name
+
+    # --python: the next worker environment is made by the interpreter named, not by current's.
+    calls = site.root / "python-calls"
+    chosen = site.root / "chosen-python" / "python3"
+    chosen.parent.mkdir()
+    chosen.write_text(f'#!/bin/sh\necho "$*" >> {calls}\nexec {sys._base_executable} "$@"\n')
+    chosen.chmod(0o755)
+    time.sleep(1.1)  # the environments' names carry the second they were built in
+    rebuilt = site.upgrade("--python", str(chosen))
+    assert rebuilt.returncode == done.returncode, rebuilt.stdout + rebuilt.stderr
+    assert f"(from {chosen})" in rebuilt.stdout
+    assert calls.read_text().split("\n")[0].endswith(f"-m venv {site.envs}/{os.readlink(site.envs / 'current')}")
+    newest = site.envs / os.readlink(site.envs / "current")
+    assert newest != new and newest.name.startswith(f"worker-{NEW_VERSION}-")
+    assert site.run(newest / "bin" / "hpc-worker", "--version").stdout.strip() == f"hpc-worker {NEW_VERSION}"
