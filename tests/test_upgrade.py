@@ -14,6 +14,7 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -22,11 +23,17 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
+from bridge.config import load_config
+from bridge.ops.node_build import BUILT_ON_FILE, NodeBuildFailed, build_on_node, build_script
 from bridge.ops.upgrade import MARKER, UpgradeFailed, extra_for, spool_locked, with_extra, worker_layout
 from bridge.spool import Spool
+from tests.support.cluster import Cluster
+from tests.support.wait import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 #: What a wheel is built from (pyproject.toml's packages and readme).
@@ -279,3 +286,89 @@ def test_upgrade_builds_the_worker_switches_current_under_the_lock_and_runs_doct
     newest = site.envs / os.readlink(site.envs / "current")
     assert newest != new and newest.name.startswith(f"worker-{NEW_VERSION}-")
     assert site.run(newest / "bin" / "hpc-worker", "--version").stdout.strip() == f"hpc-worker {NEW_VERSION}"
+
+
+def test_the_build_job_script_quotes_every_value(tmp_path: Path) -> None:
+    odd = tmp_path / "it's a $HOME"
+    odd.mkdir()
+    calls = tmp_path / "calls"
+    interpreter = odd / "python 3"  # records how the script called it, then fails: the script stops there
+    interpreter.write_text(f'#!/bin/sh\nfor a in "$@"; do echo "$a"; done > {shlex.quote(str(calls))}\nexit 1\n')
+    interpreter.chmod(0o755)
+    new = odd / "worker-1"
+    target = "hpc-bridge[worker] @ file:///wheels/it's here.whl"
+    script = build_script(new, target, "worker", interpreter, ["--find-links=/a b", "--no-index"], odd)
+    ran = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 1 and "building worker-1 on " in ran.stdout
+    assert calls.read_text().splitlines() == ["-I", "-m", "venv", str(new)]
+    (pip,) = [line for line in script.splitlines() if " -m pip install " in line]
+    assert shlex.split(pip) == [
+        f"{new}/bin/python",
+        "-I",
+        "-m",
+        "pip",
+        "install",
+        "--find-links=/a b",
+        "--no-index",
+        target,
+    ]
+
+
+def test_a_build_job_never_carries_a_password(tmp_path: Path) -> None:
+    config = load_config(
+        environ={
+            "RABBITMQ_URL": "amqp://hpc:broker-pw@127.0.0.1:5672/%2F",
+            "RODAN_HOST": "127.0.0.1:8000",
+            "RODAN_SCHEME": "http",
+            "RODAN_USER": "hpc@example.org",
+            "RODAN_PASSWORD": "rodan-pw",
+            "HPC_SPOOL_DIR": str(tmp_path / "spool"),
+            "HPC_WORKER_PYTHON": sys.executable,
+        }
+    )
+    submitted: list[Any] = []
+    never = SimpleNamespace(render=lambda spec: "", submit=lambda *a: submitted.append(a), display_name="Slurm")
+    index = "--index-url=https://hpc:broker-pw@pypi.example.org/simple"  # an operator's own index, same password
+    with pytest.raises(NodeBuildFailed, match="would carry a password"):
+        build_on_node(config, tmp_path / "w", "hpc-bridge", "none", sys.executable, [index], print, scheduler=never)  # type: ignore[arg-type]
+    assert submitted == [] and list((tmp_path / "spool" / "jobs").iterdir()) == []
+
+
+@pytest.mark.slow
+def test_upgrade_builds_the_worker_in_a_job_on_a_compute_node(site: Site, cluster: Cluster) -> None:
+    """--build-on-node: the scheduler's job, not the login node, makes the new environment, then the
+    upgrade switches to it; a build that fails in the job leaves everything as it was."""
+    with site.credentials.open("a") as f:
+        f.write(f"HPC_SCHEDULER={cluster.name}\nHPC_GPU_RULES=none\n")
+    site.environ["PATH"] = f"{site.venv / 'bin'}:{os.environ['PATH']}"  # the scheduler's commands too
+    python = ["--python", sys._base_executable]  # a path the node runs (this machine is the node)
+
+    # The job's pip has no wheelhouse: it fails on the node, and the upgrade stops before the switch.
+    failed = site.run(
+        site.venv / "bin" / "hpc-bridge", "--credentials", site.credentials, "upgrade", site.wheel,
+        "--build-on-node", *python, "--pip-arg=--no-index", timeout=900,
+    )  # fmt: skip
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    kept = Path(folder_of(failed.stdout))
+    assert kept.is_dir() and str(kept) in failed.stderr  # kept, and named in the error
+    assert re.search(r"job \d+ ended FAILED", failed.stderr) and "No matching distribution" in failed.stderr
+    assert os.readlink(site.envs / "current") == "worker-old"
+    assert sorted(p.name for p in site.envs.iterdir()) == ["current", "worker-old"]  # the half-built one removed
+    assert site.bridge_version() != f"hpc-bridge {NEW_VERSION}"
+
+    done = site.upgrade("--build-on-node", *python)
+    assert f"upgraded to {NEW_VERSION}; doctor exited" in done.stdout, done.stdout + done.stderr
+    job_id = re.search(r"job (\d+) builds worker-", done.stdout)[1]  # type: ignore[index]
+    new = site.envs / os.readlink(site.envs / "current")
+    assert new.name.startswith(f"worker-{NEW_VERSION}-") and (new / MARKER).read_text().strip() == "none"
+    assert (new / BUILT_ON_FILE).read_text().split()[-1] == f"job={job_id}"  # written inside that job
+    built_by = Path(folder_of(done.stdout))
+    wait_until(lambda: cluster.jobs_started(f"rodan-{built_by.name}") == [job_id], 30, what="accounting")
+    assert not built_by.exists() and kept.is_dir()  # a build that worked leaves no folder behind
+    assert site.run(new / "bin" / "hpc-worker", "--version").stdout.strip() == f"hpc-worker {NEW_VERSION}"
+    assert site.bridge_version() == f"hpc-bridge {NEW_VERSION}"
+
+
+def folder_of(output: str) -> str:
+    """The build job's folder, as upgrade printed it."""
+    return re.search(r"\(its folder: (\S+)\)", output)[1]  # type: ignore[index]

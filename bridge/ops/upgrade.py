@@ -7,7 +7,8 @@ submitted with. The command, for SOURCE (a wheel, or anything ``pip install`` ta
 1. asks pip which version SOURCE is (``pip install --dry-run --report``; nothing is installed);
 2. builds ``ENVS/worker-VERSION-TIMESTAMP`` with the site's extra (``--extra``, else the one recorded in
    the current environment's ``hpc-bridge-extra``, else the one its installed packages show) and
-   checks its ``hpc-worker --version``; nothing uses it yet;
+   checks its ``hpc-worker --version``; nothing uses it yet. With ``--build-on-node`` a batch job builds
+   it on a compute node (:mod:`bridge.ops.node_build`);
 3. holding the spool's lock (no pass runs meanwhile), installs SOURCE into the bridge's own
    environment, checks that both have the same version and switches ``current`` in one rename;
 4. runs the new ``hpc-bridge doctor`` and exits with its status.
@@ -37,6 +38,7 @@ from bridge.atomic import fsync_dir
 from bridge.config import BridgeConfig
 from bridge.errors import ConfigError
 from bridge.instance import INSTANCE_ENV
+from bridge.ops.node_build import NodeBuildFailed, build_on_node
 from bridge.shell import CommandError, CommandResult, run_command
 from bridge.spool import Spool
 from bridge.version import DISTRIBUTION
@@ -64,6 +66,7 @@ EPILOG = """examples:
   hpc-bridge upgrade 'hpc-bridge @ git+https://example.org/hpc-bridge.git@v0.2.0' --extra worker-gpu
   hpc-bridge upgrade ./hpc-bridge --dry-run      # say what it would do
   hpc-bridge upgrade NEW.whl --skip-worker       # the worker is an Apptainer image (deploy/apptainer/README.md)
+  hpc-bridge upgrade NEW.whl --build-on-node     # the compute nodes run another OS image or architecture
 
 Going back is an upgrade to the previous version (its wheel or requirement). Under systemd, stop the
 daemon first (it holds the spool's lock): systemctl --user stop hpc-bridge@INSTANCE.service.
@@ -100,6 +103,12 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--python", help="the interpreter to base the new worker environment on (default: current's)")
     p.add_argument("--skip-worker", action="store_true", help="build no worker environment, install the bridge only")
+    p.add_argument(
+        "--build-on-node",
+        action="store_true",
+        help="build the worker environment in a batch job on a compute node (another OS image or CPU "
+        "architecture than the login node); --python must then be a path the node can run",
+    )
     p.add_argument(
         "--lock-timeout",
         type=float,
@@ -288,7 +297,7 @@ def upgrade(config: BridgeConfig, args: argparse.Namespace) -> int:
     version = new_version(source, pip_args)
     before = installed_version(sys.executable)
     say(f"new version: {version}; this bridge: {before} ({sys.executable})")
-    new = None if layout is None else build_step(layout, source, version, args, pip_args)
+    new = None if layout is None else build_step(layout, source, version, args, pip_args, config)
     lock = Spool(config.spool_dir).root / "bridge.lock"
     if args.dry_run:
         switching = f", point {layout.link} at {new}" if layout and new else ""
@@ -317,19 +326,29 @@ def upgrade(config: BridgeConfig, args: argparse.Namespace) -> int:
     return status
 
 
-def build_step(layout: Layout, source: str, version: str, args: argparse.Namespace, pip_args: list[str]) -> Path:
-    """Build ``ENVS/worker-VERSION-TIMESTAMP`` (with ``--dry-run`` only say so); a failure removes it."""
+def build_step(
+    layout: Layout, source: str, version: str, args: argparse.Namespace, pip_args: list[str], config: BridgeConfig
+) -> Path:
+    """Build ``ENVS/worker-VERSION-TIMESTAMP`` (with ``--dry-run`` only say so), here or with
+    ``--build-on-node`` in a batch job; a failure removes it."""
     extra, why = choose_extra(layout, args.extra)
     say(f"worker extra: {extra} ({why})")
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d%H%M%S")  # unique per upgrade, sorts by time
     new = layout.link.parent / f"worker-{version}-{stamp}"
     python = args.python or layout.link / layout.interpreter
     target = with_extra(source, extra)
+    where = " in a batch job on a compute node" if args.build_on_node else ""
     if args.dry_run:
-        say(f"would build {new} with {target} (from {python})")
+        say(f"would build {new}{where} with {target} (from {python})")
         return new
     try:
-        built = build_worker(new, target, extra, python, pip_args)
+        if args.build_on_node:
+            try:
+                built = build_on_node(config, new, target, extra, python, pip_args, say)
+            except NodeBuildFailed as exc:
+                raise UpgradeFailed(str(exc)) from exc
+        else:
+            built = build_worker(new, target, extra, python, pip_args)
         if built != version:
             raise UpgradeFailed(f"{new}/bin/hpc-worker --version says {built}, not {version}")
     except BaseException:
