@@ -246,15 +246,9 @@ class Stream:
         self.kinds["hostile"] += 1
         cid = self._correlation_id(spec.corr)
         self._burst_ids.append(cid)
-        reply_to = spec.reply_to.resolve(self.queues)
-        kwargs: dict[str, Any] = {k: v for k, v in spec.extra.items() if v is not None}
-        if cid is not None:
-            kwargs["correlation_id"] = cid
-        if reply_to is not None:
-            kwargs["reply_to"] = reply_to
-        props = None if spec.bare else pika.BasicProperties(**kwargs)
+        props = spec.properties(cid, self.queues)
         wire_cid = None if spec.bare else on_the_wire(cid)
-        wire_reply_to = None if spec.bare else on_the_wire(reply_to)
+        wire_reply_to = None if spec.bare else on_the_wire(spec.reply_to.resolve(self.queues))
         usable = isinstance(wire_cid, str) and wire_cid != "" and wire_reply_to == self.queues.reply
         # The bridge takes only what text_property accepts (it is what `usable` means to it too).
         usable = usable and text_property(wire_cid) is not None

@@ -562,9 +562,10 @@ def edit_distance(a: str, b: str) -> int:
 
 #: A secret at least this long is a leak wherever it appears; a shorter one only as a whole value.
 LONG_SECRET = 12
-# A whole value: after the start, white space, '=', ':' or a quote; before the end, white space, ';' or a quote.
+# A whole value: after the start, white space, '=', ':' or a quote; before the end, white space, ';', a
+# quote or '@' (the password of a URL's user:password@host).
 _VALUE_BEFORE = r"(?:^|(?<=[\s=:'\"]))"
-_VALUE_AFTER = r"(?=$|[\s;'\"])"
+_VALUE_AFTER = r"(?=$|[\s;'\"@])"
 
 
 def contains_secret(text: str, secrets: Iterable[str]) -> bool:

@@ -304,6 +304,18 @@ class MessageSpec:
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         printer.text(repr(self))
 
+    def properties(self, cid: str | bytes | None, queues: FuzzQueues) -> pika.BasicProperties | None:
+        """The AMQP properties this message is sent with, ``cid`` as its correlation id (None: bare)."""
+        if self.bare:
+            return None
+        kwargs: dict[str, Any] = {k: v for k, v in self.extra.items() if v is not None}
+        if cid is not None:
+            kwargs["correlation_id"] = cid
+        reply_to = self.reply_to.resolve(queues)
+        if reply_to is not None:
+            kwargs["reply_to"] = reply_to
+        return pika.BasicProperties(**kwargs)
+
 
 def on_the_wire(value: str | bytes | None) -> str | bytes | None:
     """A short-string property as a consumer's pika hands it over."""
@@ -367,13 +379,7 @@ def publish_batch(connection: pika.BlockingConnection, queues: FuzzQueues, specs
         else:
             cid = spec.corr.literal
         ids.append(cid)
-        reply_to = spec.reply_to.resolve(queues)
-        kwargs: dict[str, Any] = {k: v for k, v in spec.extra.items() if v is not None}
-        if cid is not None:
-            kwargs["correlation_id"] = cid
-        if reply_to is not None:
-            kwargs["reply_to"] = reply_to
-        properties = None if spec.bare else pika.BasicProperties(**kwargs)
+        properties = spec.properties(cid, queues)
         try:
             if properties is not None:
                 properties.encode()  # what pika refuses never reaches the broker
@@ -389,7 +395,7 @@ def publish_batch(connection: pika.BlockingConnection, queues: FuzzQueues, specs
         if spec.bare:
             out.sent.append(Sent(spec, None, None))
         else:
-            out.sent.append(Sent(spec, on_the_wire(cid), on_the_wire(reply_to)))
+            out.sent.append(Sent(spec, on_the_wire(cid), on_the_wire(spec.reply_to.resolve(queues))))
     if channel.is_open:
         channel.close()
     return out

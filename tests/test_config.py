@@ -382,6 +382,7 @@ def test_a_short_password_inside_another_word_is_not_a_leak() -> None:
     assert not contains_secret("#SBATCH --gres=gpu:1\nmodule load cuda\n#SBATCH -J rodan-test", ["gpu", "cud", "test"])
     assert contains_secret("--password=gpu now", ["gpu"])
     assert contains_secret("curl -u hpc:gpu https://x", ["gpu"])
+    assert contains_secret("--index-url=https://hpc:gpu@pypi.example.org/simple", ["gpu"])
     assert contains_secret("export TOKEN='p@ss/word'", ["p@ss/word"])
     assert contains_secret("rodan-averylongpassword1-x", ["averylongpassword1"])
     config = load_config(environ={**BASE, "RODAN_PASSWORD": "gpu", "HPC_JOB_DIRECTIVES": "--constraint=gpu:2"})

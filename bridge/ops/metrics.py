@@ -20,7 +20,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from bridge.instance import DEFAULT_INSTANCE
@@ -102,16 +102,7 @@ def count(records: Iterable[RequestRecord]) -> Counters:
         n["rejected"] += r.state is RequestState.REJECTED
         n["dead_lettered"] += bool(r.dead_lettered)
         n["continuations"] += r.continuations
-    return Counters(
-        received=n["received"],
-        submitted=n["submitted"],
-        replied_ok=n["replied_ok"],
-        replied_error=n["replied_error"],
-        reply_expired=n["reply_expired"],
-        rejected=n["rejected"],
-        dead_lettered=n["dead_lettered"],
-        continuations=n["continuations"],
-    )
+    return Counters(**{f.name: n[f.name] for f in fields(Counters)})  # a count never seen is 0
 
 
 def outbox_size(spool: Spool) -> int:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from bridge.config import BridgeConfig
+from bridge.config import BridgeConfig, contains_secret
 from bridge.errors import SchedulerRejected, SchedulerUnavailable
 from bridge.intake import rodan_job_spec
 from bridge.protocol import RequestSettings
@@ -101,7 +101,7 @@ def build_on_node(
         command=("/bin/sh", str(job_dir / SCRIPT_FILE)),
     )
     script = build_script(new, target, extra, python, pip_args, job_dir)
-    if any(secret and secret in script for secret in config.secrets):
+    if contains_secret(script, config.secrets):
         shutil.rmtree(job_dir, ignore_errors=True)
         raise NodeBuildFailed("the build job would carry a password of the settings (in --pip-arg?): not submitted")
     atomic_write(job_dir / SCRIPT_FILE, script.encode("utf-8"), mode=0o700)
