@@ -396,3 +396,26 @@ def test_without_a_local_directory_saves_go_straight_to_persistent_storage(tmp_p
         store.save(small_state(1))
         store.flush()  # nothing to do
         assert (tmp_path / "persistent" / checkpoint_name(1)).exists()
+
+
+def test_a_checkpoint_from_before_the_anchor_and_learning_rate_were_recorded_resumes_with_their_old_values() -> None:
+    """Checkpoints written before ``patch_anchor`` and ``learning_rate`` joined RUN_SETTINGS trained with
+    the centre anchor and 1e-4: they resume with those, and are refused with others (mutation caught:
+    the two settings left out of the identity, or compared without their earlier values)."""
+    from tests.pages import striped_page
+    from worker.trainer import TrainSettings
+    from worker.trainer.errors import TrainingInputError
+    from worker.trainer.train import check_same_run, run_identity
+
+    page = striped_page(120, 120)
+    base = dict(epochs=1, max_samples_per_label=20, patch_height=16, patch_width=16, batch_size=4, patience=1, seed=1)
+    now = run_identity(page, TrainSettings(**base))  # type: ignore[arg-type]
+    before = {
+        **now,
+        "settings": {k: v for k, v in now["settings"].items() if k not in ("patch_anchor", "learning_rate")},
+    }
+    check_same_run(before, now, "old")  # resumes
+    for changed in ({"patch_anchor": "corner"}, {"learning_rate": 1e-3}):
+        other = run_identity(page, TrainSettings(**base, **changed))  # type: ignore[arg-type]
+        with pytest.raises(TrainingInputError, match=next(iter(changed))):
+            check_same_run(before, other, "old")

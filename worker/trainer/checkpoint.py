@@ -156,6 +156,7 @@ class LayerState:
     rng_state: dict[str, Any]
     permutation: npt.NDArray[np.int64] | None
     history: dict[str, list[float]] = field(default_factory=dict)
+    fresh_starts: int = 0  # how often the layer started again from new weights (FirstEpochGuard)
 
 
 @dataclass
@@ -169,6 +170,8 @@ class FinishedLayer:
     best_val_accuracy: float
     epochs_run: int
     history: dict[str, list[float]] = field(default_factory=dict)
+    one_class: str | None = None  # the model's answer when it marks every pixel alike (callbacks.one_class)
+    fresh_starts: int = 0
 
 
 @dataclass
@@ -232,6 +235,7 @@ def encode_state(state: TrainingState) -> bytes:
             "rng_state": layer.rng_state,
             "permutation": layer.permutation is not None,
             "history": layer.history,
+            "fresh_starts": layer.fresh_starts,
         }
         if layer.permutation is not None:
             arrays["current/permutation"] = np.asarray(layer.permutation, dtype=np.int64)
@@ -292,6 +296,7 @@ def decode_state(data: bytes | memoryview) -> TrainingState:
                 rng_state=dict(c["rng_state"]),
                 permutation=arrays["current/permutation"] if c["permutation"] else None,
                 history={k: [float(v) for v in series] for k, series in c["history"].items()},
+                fresh_starts=int(c.get("fresh_starts", 0)),
             )
         return TrainingState(
             run=dict(meta["run"]),

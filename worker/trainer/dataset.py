@@ -29,6 +29,7 @@ import numpy.typing as npt
 from numpy.lib.stride_tricks import sliding_window_view
 
 from worker.trainer.sampling import Centres
+from worker.trainer.settings import PATCH_ANCHOR_CHOICES
 
 #: ``INPUT_LOOKUP[v] == float32((255 - v) / 255)`` computed in float64 as the original
 #: did: ink becomes high, paper low.
@@ -99,6 +100,21 @@ def to_network_batch(raw: RawBatch) -> Batch:
     return (INPUT_LOOKUP[patches], masks.astype(np.float32)[..., np.newaxis], *weights)
 
 
+#: Where a sampled pixel sits in its patch (``TrainSettings.patch_anchor``).
+PATCH_ANCHORS = PATCH_ANCHOR_CHOICES
+
+
+def anchor_offset(anchor: str, patch_height: int, patch_width: int) -> tuple[int, int]:
+    """From a sampled pixel to its patch's top-left corner: ``centre`` (the original HPC trainer's:
+    the pixel in the middle) subtracts half a patch, ``corner`` (Paco_classifier's: the pixel is the
+    top-left corner) nothing. Both stay on the page: centres lie at least a patch from its edges."""
+    if anchor == "centre":
+        return patch_height // 2, patch_width // 2
+    if anchor == "corner":
+        return 0, 0
+    raise ValueError(f"the patch anchor must be one of {', '.join(PATCH_ANCHORS)}, not {anchor!r}")
+
+
 class PatchDataset:
     """The ``(x, y)`` batches of one layer (``fit`` reads them through :func:`training_input`).
 
@@ -147,6 +163,7 @@ class PatchDataset:
         weigh_for: Literal["loss", "accuracy"] = "loss",
         *,
         bgr: npt.NDArray[np.uint8] | Sequence[npt.NDArray[np.uint8]] | None = None,
+        anchor: str = "centre",
     ) -> None:
         images = [image] if isinstance(image, np.ndarray) else list(image)
         masks = [mask] if isinstance(mask, np.ndarray) else list(mask)
@@ -173,7 +190,7 @@ class PatchDataset:
             centres = centres[:, 1:]
         elif len(images) > 1:
             raise ValueError(f"{len(images)} pages need (page, row, col) centres, not {centres.shape}")
-        self._corners = centres - np.array([patch_height // 2, patch_width // 2])
+        self._corners = centres - np.array(anchor_offset(anchor, patch_height, patch_width))
         self._batch_size = batch_size
         self._patch_shape = (patch_height, patch_width)
         self._rng = shuffle_rng
@@ -260,6 +277,19 @@ class PatchDataset:
             patches[where] = self._images[page][rows[where], cols[where], 0]
             masks[where] = self._masks[page][rows[where], cols[where]]
         return patches, masks
+
+    def layer_pixels(self, chunk: int = 256) -> tuple[int, int]:
+        """``(pixels of the layer, all pixels)`` over every sample's patch (each sample once, no top-up)."""
+        height, width = self._patch_shape
+        layer = 0
+        for start in range(0, self.samples, chunk):
+            chosen = np.arange(start, min(start + chunk, self.samples))
+            rows, cols = self._corners[chosen, 0], self._corners[chosen, 1]
+            if self._pages is None:
+                layer += int(np.count_nonzero(self._masks[0][rows, cols]))
+            else:
+                layer += int(np.count_nonzero(self._cut_pages(self._pages[chosen], rows, cols)[1]))
+        return layer, self.samples * height * width
 
     def batch(self, chosen: npt.NDArray[np.int64]) -> Batch:
         """The ``(x, y)`` batch of the samples ``chosen``, ``(x, y, w)`` with several replicas."""

@@ -60,7 +60,7 @@ from typing import Any
 
 from worker.trainer._keras import BACKEND, keras
 from worker.trainer.errors import TrainingInputError
-from worker.trainer.model import build_sae, compile_sae
+from worker.trainer.model import LEARNING_RATE, build_sae, compile_sae
 from worker.trainer.settings import MIXED_PRECISION_CHOICES, STRATEGY_CHOICES, TrainSettings
 
 log = logging.getLogger(__name__)
@@ -255,6 +255,7 @@ class TrainingPlan:
     policy: str  # "float32", MIXED_POLICY or BFLOAT16_POLICY
     global_batch_size: int  # the patches of one step (TrainSettings.batch_size), shared by the replicas
     gpus: int
+    learning_rate: float = LEARNING_RATE
 
     @property
     def replicas(self) -> int:
@@ -296,7 +297,8 @@ class TrainingPlan:
         """
         with self.strategy.scope(), dtype_policy(self.policy):
             model = build_sae(height, width)
-            compile_sae(model, weighted_accuracy=self.replicas > 1)  # padded batches (see the module docstring)
+            # weighted accuracy: padded batches (see the module docstring)
+            compile_sae(model, weighted_accuracy=self.replicas > 1, learning_rate=self.learning_rate)
         return model
 
 
@@ -307,6 +309,7 @@ def plan_training(settings: TrainSettings) -> TrainingPlan:
         policy=precision_policy(settings.mixed_precision),
         global_batch_size=settings.batch_size,
         gpus=len(gpu_devices()),
+        learning_rate=settings.learning_rate,
     )
     log.info("training with the %s", plan.describe())
     return plan

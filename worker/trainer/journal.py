@@ -209,5 +209,7 @@ class CheckpointJournal(Journal):
             best_val_accuracy=result.best_val_accuracy,
             epochs_run=result.epochs_run,
             history=result.history,
+            one_class=result.one_class,
+            fresh_starts=result.fresh_starts,
         )
         self.store.save(self.snapshot(None))

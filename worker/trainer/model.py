@@ -61,8 +61,12 @@ def build_sae(height: int | None, width: int | None) -> Any:
     return keras.Model(inputs=inputs, outputs=outputs, name="sae")
 
 
-def compile_sae(model: Any, *, weighted_accuracy: bool = False) -> None:
+def compile_sae(model: Any, *, weighted_accuracy: bool = False, learning_rate: float = LEARNING_RATE) -> None:
     """Compile ``model`` as the original does: Adam(1e-4), binary cross-entropy, accuracy.
+
+    ``learning_rate`` is Adam's for training (:attr:`TrainSettings.learning_rate
+    <worker.trainer.settings.TrainSettings>`); saved files are compiled with the original's 1e-4,
+    which Rodan's trainer continues them with.
 
     ``weighted_accuracy`` computes accuracy with the batches' sample weights (Keras'
     ``weighted_metrics``): for training on several replicas, whose padded batches weigh
@@ -71,7 +75,7 @@ def compile_sae(model: Any, *, weighted_accuracy: bool = False) -> None:
     """
     accuracy = ["accuracy"]
     model.compile(
-        optimizer=keras.optimizers.Adam(learning_rate=LEARNING_RATE),
+        optimizer=keras.optimizers.Adam(learning_rate=learning_rate),
         loss="binary_crossentropy",
         metrics=None if weighted_accuracy else accuracy,
         weighted_metrics=accuracy if weighted_accuracy else None,

@@ -77,6 +77,9 @@ class LabelResult:
     train_samples: int
     validation_samples: int
     history: dict[str, list[float]] = field(default_factory=dict)
+    #: Set when the kept model marks every validation pixel alike (:func:`worker.trainer.callbacks.one_class`).
+    one_class: str | None = None
+    fresh_starts: int = 0  # how often the layer started again from new weights
 
 
 def model_file_names(labels: Iterable[str]) -> dict[str, str]:

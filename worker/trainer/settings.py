@@ -11,6 +11,10 @@ from worker.trainer.errors import TrainingInputError
 PATCH_MULTIPLE = 4
 #: Values of ``TrainSettings.strategy`` besides a tuple of device names.
 STRATEGY_CHOICES = ("auto", "mirrored", "default")
+#: Values of ``TrainSettings.patch_anchor`` (see :func:`worker.trainer.dataset.anchor_offset`).
+PATCH_ANCHOR_CHOICES = ("centre", "corner")
+#: Values of ``TrainSettings.output_bias`` (see :func:`worker.trainer.train.prior_bias`).
+OUTPUT_BIAS_CHOICES = ("zero", "prior")
 #: Values of ``TrainSettings.mixed_precision``.
 MIXED_PRECISION_CHOICES = ("off", "auto", "float16", "bfloat16")
 
@@ -49,6 +53,9 @@ class TrainSettings:
     include_optimizer: bool = False
     strategy: str | tuple[str, ...] = "auto"
     mixed_precision: str = "auto"
+    patch_anchor: str = "centre"
+    learning_rate: float = 1e-4
+    output_bias: str = "prior"
 
     def __post_init__(self) -> None:
         if self.epochs < 1:
@@ -83,6 +90,16 @@ class TrainSettings:
             if not devices or not all(isinstance(d, str) and d for d in devices):
                 raise TrainingInputError(f"the strategy's devices must be non-empty names, not {self.strategy!r}")
             object.__setattr__(self, "strategy", devices)  # frozen: a list would not hash
+        if self.patch_anchor not in PATCH_ANCHOR_CHOICES:
+            raise TrainingInputError(
+                f"patch_anchor must be one of {', '.join(PATCH_ANCHOR_CHOICES)}, not {self.patch_anchor!r}"
+            )
+        if self.output_bias not in OUTPUT_BIAS_CHOICES:
+            raise TrainingInputError(
+                f"output_bias must be one of {', '.join(OUTPUT_BIAS_CHOICES)}, not {self.output_bias!r}"
+            )
+        if not 0.0 < self.learning_rate < 1.0:
+            raise TrainingInputError(f"the learning rate must lie strictly between 0 and 1, not {self.learning_rate}")
         if self.mixed_precision not in MIXED_PRECISION_CHOICES:
             raise TrainingInputError(
                 f"mixed_precision must be one of {', '.join(MIXED_PRECISION_CHOICES)}, not {self.mixed_precision!r}"

@@ -53,6 +53,10 @@ from worker.trainer.callbacks import (
     EpochCallback,
     EpochReporter,
     EpochShuffle,
+    FirstEpochGuard,
+    FreshStart,
+    LayerCallback,
+    one_class,
     variable_values,
 )
 from worker.trainer.checkpoint import CheckpointStore, LayerState, TrainingInterrupted
@@ -200,7 +204,11 @@ RUN_SETTINGS = (
     "validation_split",
     "seed",
     "include_optimizer",
+    "patch_anchor",
+    "learning_rate",
 )
+#: What a checkpoint written before a setting was in :data:`RUN_SETTINGS` trained with.
+SETTINGS_BEFORE_RECORDED = {"patch_anchor": "centre", "learning_rate": 1e-4}
 
 
 def page_identity(page: Page) -> dict[str, Any]:
@@ -266,7 +274,7 @@ def check_same_run(saved: Mapping[str, Any], current: Mapping[str, Any], where: 
         for index, (old_page, new_page) in enumerate(zip(old_pages, new_pages, strict=True)):
             which = f"page {index + 1}" if several else "the page"
             differences.extend(_page_differences(old_page, new_page, which))
-    old_settings = saved.get("settings", {})
+    old_settings = {**SETTINGS_BEFORE_RECORDED, **saved.get("settings", {})}
     for name, value in current["settings"].items():
         if old_settings.get(name) != value:
             differences.append(f"{name} is {value!r}, the checkpoint's {old_settings.get(name)!r}")
@@ -323,7 +331,7 @@ class ModelReuse:
 
     def model(self, plan: TrainingPlan, height: int, width: int) -> Any:
         """A compiled model for ``plan`` in its initial state (weights drawn now, fresh optimizer)."""
-        key = (id(plan.strategy), plan.policy, plan.replicas, height, width)
+        key = (id(plan.strategy), plan.policy, plan.replicas, plan.learning_rate, height, width)
         if key not in self._models:
             model = plan.build_model(height, width)
             with plan.strategy.scope():
@@ -400,9 +408,11 @@ class LayerLoop(keras.callbacks.Callback):  # type: ignore[misc]
         history: dict[str, list[float]],
         save: SaveLayer | None,
         stop_requested: Callable[[], bool] | None,
+        fresh_starts: int = 0,
     ) -> None:
         super().__init__()
         self.label = label
+        self.fresh_starts = fresh_starts
         self.data = train_data
         self.epochs = epochs
         self.best = best
@@ -482,6 +492,7 @@ class LayerLoop(keras.callbacks.Callback):  # type: ignore[misc]
             rng_state=dict(rng.bit_generator.state) if rng is not None else {},
             permutation=self.order if part_way else None,
             history={key: list(values) for key, values in self.history.items()},
+            fresh_starts=self.fresh_starts,
         )
 
 
@@ -501,6 +512,7 @@ def train_label(
     models: ModelReuse | None = None,
     bgr: npt.NDArray[np.uint8] | Sequence[npt.NDArray[np.uint8]] | None = None,
     initial_weights: Sequence[npt.NDArray[Any]] | None = None,
+    on_layer: LayerCallback | None = None,
 ) -> LabelResult:
     """Train a fresh SAE (or one with ``initial_weights``) on ``label``'s samples and return its best epoch.
 
@@ -531,13 +543,8 @@ def train_label(
     if len(train_centres) == 0 or len(validation_centres) == 0:
         check_samples({label: centres}, settings)
     ph, pw = settings.patch_height, settings.patch_width
-    if init_seed is not None:
-        keras.utils.set_random_seed(init_seed)
     plan = plan_training(settings)  # the GPUs that share settings.batch_size evenly
-    model = (models or ModelReuse()).model(plan, ph, pw)  # made inside plan.strategy.scope()
-    if initial_weights is not None:
-        with plan.strategy.scope():
-            model.set_weights(list(initial_weights))
+    models = models or ModelReuse()
     pages = [page] if isinstance(page, Page) else list(page)
     images = [p.image for p in pages]
     masks = [np.asarray(p.masks[label], dtype=bool) for p in pages]
@@ -545,16 +552,127 @@ def train_label(
     replicas = plan.replicas  # every batch a multiple of this: an equal share per replica
     if bgr is None:
         bgr = [network_order(image) for image in images]
+    anchor = settings.patch_anchor
     train_data = PatchDataset(
-        images, masks, train_centres, ph, pw, batch, shuffle_rng=shuffle_rng, multiple_of=replicas, bgr=bgr
-    )
+        images, masks, train_centres, ph, pw, batch, shuffle_rng=shuffle_rng, multiple_of=replicas, bgr=bgr,
+        anchor=anchor,
+    )  # fmt: skip
     validation_data = PatchDataset(
-        images, masks, validation_centres, ph, pw, batch, multiple_of=replicas, weigh_for="accuracy", bgr=bgr
-    )
-    best = BestEpoch(keep_optimizer=settings.include_optimizer)
+        images, masks, validation_centres, ph, pw, batch, multiple_of=replicas, weigh_for="accuracy", bgr=bgr,
+        anchor=anchor,
+    )  # fmt: skip
+    layer_pixels, pixels = validation_data.layer_pixels()
+    fresh_starts = resume.fresh_starts if resume is not None else 0
+    while True:
+        try:
+            return _train_attempt(
+                label, settings, plan, models, train_data, validation_data, (layer_pixels, pixels),
+                seed=fresh_start_seed(init_seed, fresh_starts), fresh_starts=fresh_starts,
+                on_epoch=on_epoch, callbacks=callbacks, resume=resume, save=save,
+                stop_requested=stop_requested, initial_weights=initial_weights,
+            )  # fmt: skip
+        except FreshStart as restart:
+            fresh_starts += 1
+            resume = None  # the new start owes nothing to the checkpoint of the one it replaces
+            log.warning(
+                "layer %r: its first epoch ended no better than its starting answer (val_loss %.4f, the "
+                "constant answer's %.4f; it marks %s): fresh start %d of %d from new weights",
+                label, restart.loss, restart.start_loss, restart.answer, fresh_starts, MAX_FRESH_STARTS,
+            )  # fmt: skip
+            if on_layer is not None:
+                on_layer(
+                    {
+                        "event": "fresh_start",
+                        "label": label,
+                        "answer": restart.answer,
+                        "val_loss": restart.loss,
+                        "start_loss": restart.start_loss,
+                        "fresh_start": fresh_starts,
+                        "of": MAX_FRESH_STARTS,
+                    }
+                )
+
+
+def prior_bias(layer_pixels: int, pixels: int) -> float:
+    """The output bias that makes a model whose hidden units are all zero answer the layer's share of
+    the training targets: ``log(p / (1 - p))``, ``p`` kept within [1e-4, 1 - 1e-4].
+
+    With the zero bias Keras draws, such a model answers 0.5 everywhere, and its gradient drives the
+    units that feed the output to zero on the majority's pixels, after which only the bias moves
+    (``tests/test_fresh_start.py``). Started at the layer's share, the majority's pixels are already
+    nearly right, and what is left to learn is telling the pixels apart (RetinaNet's prior
+    initialisation, Lin et al. 2017, section 3.3)."""
+    share = min(max(layer_pixels / pixels, 1e-4), 1.0 - 1e-4) if pixels else 0.5
+    return math.log(share / (1.0 - share))
+
+
+def set_output_bias(model: Any, plan: TrainingPlan, value: float) -> None:
+    """Set the bias of the SAE's output convolution (the layer named ``probability``) to ``value``."""
+    layer = model.get_layer("probability")
+    kernel, bias = layer.get_weights()
+    with plan.strategy.scope():
+        layer.set_weights([kernel, np.full_like(bias, value)])
+
+
+#: How many times a layer whose first epoch ends in one class starts again from new weights
+#: (:class:`~worker.trainer.callbacks.FirstEpochGuard`); after that its model is kept and reported.
+MAX_FRESH_STARTS = 2
+
+
+def fresh_start_seed(init_seed: int | None, fresh_starts: int) -> int | None:
+    """The seed of a layer's weights: ``init_seed`` at first, a new one derived from it at each fresh start."""
+    if init_seed is None or fresh_starts == 0:
+        return init_seed
+    return int(np.random.SeedSequence([init_seed, fresh_starts]).generate_state(1)[0])
+
+
+def _train_attempt(
+    label: str,
+    settings: TrainSettings,
+    plan: TrainingPlan,
+    models: ModelReuse,
+    train_data: PatchDataset,
+    validation_data: PatchDataset,
+    validation_pixels: tuple[int, int],
+    *,
+    seed: int | None,
+    fresh_starts: int,
+    on_epoch: EpochCallback | None,
+    callbacks: Sequence[Any],
+    resume: LayerState | None,
+    save: SaveLayer | None,
+    stop_requested: Callable[[], bool] | None,
+    initial_weights: Sequence[npt.NDArray[Any]] | None,
+) -> LabelResult:
+    """One start of :func:`train_label`'s layer from the weights ``seed`` draws (or ``initial_weights``);
+    raises FreshStart when its first epoch ends in one class and a fresh start is left."""
+    ph, pw = settings.patch_height, settings.patch_width
+    train_samples, validation_samples = train_data.samples, validation_data.samples
+    if seed is not None:
+        keras.utils.set_random_seed(seed)
+    model = models.model(plan, ph, pw)  # made inside plan.strategy.scope()
+    if initial_weights is not None:
+        with plan.strategy.scope():
+            model.set_weights(list(initial_weights))
+    train_layer_pixels, train_pixels = train_data.layer_pixels()
+    start_probability = 0.5  # a zero output bias: sigmoid(0)
+    if settings.output_bias == "prior":
+        start_probability = min(max(train_layer_pixels / train_pixels, 1e-4), 1.0 - 1e-4)
+        if initial_weights is None and resume is None:
+            set_output_bias(model, plan, prior_bias(train_layer_pixels, train_pixels))
+    layer_pixels, pixels = validation_pixels
+    best = BestEpoch(keep_optimizer=settings.include_optimizer, trivial=lambda v: one_class(v, layer_pixels, pixels))
     stopper = EarlyStopper(settings.patience)
     history: dict[str, list[float]] = {}
-    loop = LayerLoop(label, train_data, settings.epochs, best, stopper, history, save, stop_requested)
+    loop = LayerLoop(label, train_data, settings.epochs, best, stopper, history, save, stop_requested, fresh_starts)
+    # A starting model the user gave is never replaced; nor is a layer resumed past its first epoch.
+    guard = FirstEpochGuard(
+        label,
+        layer_pixels,
+        pixels,
+        start_probability,
+        enabled=fresh_starts < MAX_FRESH_STARTS and initial_weights is None and (resume is None or resume.epoch == 0),
+    )
     first_epoch, rest_of_epoch = 0, None
     if resume is not None:
         best.restore(resume.best, resume.best_weights, resume.best_optimizer_variables)
@@ -566,7 +684,7 @@ def train_label(
             loop.continue_epoch(resume.permutation, resume.sample_offset)
         log.info(
             "layer %r: resuming in epoch %d after %d of its %d training patches",
-            label, first_epoch + 1, resume.sample_offset, len(train_centres),
+            label, first_epoch + 1, resume.sample_offset, train_samples,
         )  # fmt: skip
 
     validation_input = training_input(validation_data)
@@ -580,7 +698,7 @@ def train_label(
                 initial_epoch=start,
                 epochs=stop,
                 shuffle=False,  # the dataset shuffles itself (EpochShuffle): Keras would reorder its batches
-                callbacks=[*own, best, stopper, reporter, *callbacks, loop],
+                callbacks=[guard, *own, best, stopper, reporter, *callbacks, loop],
                 verbose=0,
             )
 
@@ -588,7 +706,7 @@ def train_label(
     if left and stop_requested is not None and stop_requested():  # the latest checkpoint is where we are
         batch_done = resume.batch if resume is not None else 0
         raise TrainingInterrupted(label, first_epoch + 1, batch_done, len(train_data), None)
-    log.info("layer %r: training on %d patches, validating on %d", label, len(train_centres), len(validation_centres))
+    log.info("layer %r: training on %d patches, validating on %d", label, train_samples, validation_samples)
     if resume is not None:
         restore_model(model, plan.strategy, resume)
     try:
@@ -597,8 +715,8 @@ def train_label(
             fit(rest_of_epoch, first_epoch, first_epoch + 1, rest_of_epoch.samples, sums)
             first_epoch += 1
         if first_epoch < settings.epochs and not stopper.stopped:
-            fit(train_data, first_epoch, settings.epochs, len(train_centres), [EpochShuffle(train_data.shuffle)])
-    except TrainingInterrupted:
+            fit(train_data, first_epoch, settings.epochs, train_samples, [EpochShuffle(train_data.shuffle)])
+    except (TrainingInterrupted, FreshStart):
         for callback in callbacks:  # e.g. TensorBoard: close its writers, so that its files are complete
             callback.on_train_end()
         raise
@@ -613,9 +731,11 @@ def train_label(
         optimizer_variables=optimizer_variables,
         best_epoch=best.best_epoch,
         best_val_accuracy=best.best,
+        one_class=one_class(best.best, layer_pixels, pixels) if best.weights is not None else None,
+        fresh_starts=fresh_starts,
         epochs_run=len(history.get("loss", [])),
-        train_samples=len(train_centres),
-        validation_samples=len(validation_centres),
+        train_samples=train_samples,
+        validation_samples=validation_samples,
         history=history,
     )
 
@@ -672,6 +792,7 @@ def train_pages(
     checkpoints: CheckpointStore | None = None,
     stop_requested: Callable[[], bool] | None = None,
     initial_models: Mapping[str, Path] | None = None,
+    on_layer: LayerCallback | None = None,
 ) -> dict[str, Path]:
     """Train one model per layer over all ``pages`` at once (in the first page's ``masks`` order) into ``out_dir``.
 
@@ -690,6 +811,16 @@ def train_pages(
     in the file is ignored). Every file is read and checked before anything trains; a label
     that is not a layer of the pages raises TrainingInputError. The files' SHA-256 are part of
     the run's identity in its checkpoints: a run resumes only with the same starting models.
+
+    **Models that cannot move.** A layer whose first epoch ends with its model marking every
+    validation pixel alike (all background, or all layer) starts again from new weights, at most
+    :data:`MAX_FRESH_STARTS` times (:class:`~worker.trainer.callbacks.FirstEpochGuard`; not a layer
+    given a starting model). ``on_layer`` (any callable) hears of each such fresh start
+    (``{"event": "fresh_start", "label", "answer", "loss", "fresh_start", "of"}``) and of every layer
+    trained in this call (``{"event": "layer_trained", "label", "best_epoch", "best_val_accuracy",
+    "epochs_run", "fresh_starts", "one_class"}``), where ``one_class`` is None or what the kept model
+    answers for every pixel (:func:`~worker.trainer.callbacks.one_class`): a layer that learned
+    nothing, which is logged as a warning and must be reported as one.
     """
     pages = list(pages)
     outputs: RunOutputs = run_dir if run_dir is not None else NoRunDirectory()
@@ -737,6 +868,7 @@ def train_pages(
                 models=models,
                 bgr=bgr[0] if len(pages) == 1 else bgr,
                 initial_weights=starting.get(label),
+                on_layer=on_layer,
             )
             paths[label] = save_model(result, target, settings)
             journal.layer_finished(result, paths[label])
@@ -744,6 +876,20 @@ def train_pages(
                 "layer %r: best val_accuracy %.4f at epoch %d of %d, saved to %s",
                 label, result.best_val_accuracy, result.best_epoch, result.epochs_run, paths[label],
             )  # fmt: skip
+            if result.one_class is not None:
+                log.warning("layer %r: its model marks %s on the validation patches", label, result.one_class)
+            if on_layer is not None:
+                on_layer(
+                    {
+                        "event": "layer_trained",
+                        "label": label,
+                        "best_epoch": result.best_epoch,
+                        "best_val_accuracy": result.best_val_accuracy,
+                        "epochs_run": result.epochs_run,
+                        "fresh_starts": result.fresh_starts,
+                        "one_class": result.one_class,
+                    }
+                )
             outputs.write_artifacts()
     except TrainingInterrupted:
         outputs.write_artifacts()
