@@ -71,6 +71,10 @@ def test_both_generations_train_and_reply_with_loadable_models(harness, rodan, s
         # The job's run directory on persistent storage: log, history, curves, TensorBoard, settings.
         (run_dir,) = (harness.spool / "runs").glob(f"*-{corr}")
         assert '"event": "epoch"' in (run_dir / "job.log").read_text()
+        # Every model's layer is reported as trained, or loudly as having learned nothing, under its reply key.
+        events = [json.loads(line) for line in (run_dir / "job.log").read_text().splitlines() if line.startswith("{")]
+        reported = [e["model"] for e in events if e.get("event") in ("layer_trained", "layer_learned_nothing")]
+        assert sorted(reported) == sorted(keys)
         assert json.loads((run_dir / "settings.json").read_text())["patch_height"] == 64
         history = np.load(run_dir / "history.npz")
         assert len(history[f"{keys[0]}/val_accuracy"]) >= 1

@@ -113,3 +113,50 @@ def test_a_failure_is_told(tmp_path: Path) -> None:
     story.job_started(request="r", job="1", host="h", continuation=0)
     story.failed("reading the sample zips: 'Sample 1' is not a zip file")
     assert story.text().splitlines()[-1].endswith("failed: reading the sample zips: 'Sample 1' is not a zip file")
+
+
+def test_a_fresh_start_and_a_model_that_learned_nothing_are_said_in_plain_words(tmp_path: Path) -> None:
+    """The trainer's layer events (worker.trainer.train_pages' ``on_layer``) reach the Log File: a fresh
+    start, the summary with the trainer's own best epoch, and a WARNING with what to change for a model
+    that marks every pixel alike. Mutation caught: a one-class layer summarised as any other (the
+    "finished" line and the WARNING are missing), or the summary recomputed from the records (epoch 2)."""
+    story = TrainingLog.open(tmp_path, clock=Clock())
+    story.job_started(request="req-2", job="7", host="node1", continuation=0)
+    story.fresh_start(
+        {"event": "fresh_start", "label": "Background", "answer": "every pixel as the layer", "val_loss": 0.7774,
+         "start_loss": 0.6931, "fresh_start": 1, "of": 2}
+    )  # fmt: skip
+    story.epoch(record("Background", 1, 0.91))
+    story.epoch(record("Background", 2, 0.95))
+    story.layer_trained(
+        {"event": "layer_trained", "label": "Background", "best_epoch": 1, "best_val_accuracy": 0.91,
+         "epochs_run": 2, "fresh_starts": 1, "one_class": None},
+        "Background Model",
+    )  # fmt: skip
+    story.epoch(record("Layer 2", 1, 0.874))
+    story.layer_trained(
+        {"event": "layer_trained", "label": "Layer 2", "best_epoch": 1, "best_val_accuracy": 0.874,
+         "epochs_run": 1, "fresh_starts": 2, "one_class": "no pixel as the layer"},
+        "Model 2",
+    )  # fmt: skip
+    story.finished(["Background Model", "Model 2"])
+    text = (tmp_path / LOG_NAME).read_text()
+    lines = text.splitlines()
+    header = lines.index(next(line for line in lines if line.endswith("layer Background")))
+    assert (
+        "no better than a model that knows nothing (val_loss 0.7774, the constant answer's 0.6931; "
+        "it marks every pixel as the layer)" in lines[header + 1]
+    )
+    assert "fresh start 1 of 2" in lines[header + 1]
+    assert (
+        "  layer Background: best val_accuracy 0.9100 at epoch 1 of 2 run, after 1 fresh start; "
+        "its model is the one returned as Background Model"
+    ) in lines
+    assert text.count("layer Background: best val_accuracy") == 1  # not summarised again by finished()
+    warning = next(line for line in lines if "WARNING" in line)
+    assert warning.startswith("  WARNING: Model 2 (layer Layer 2) learned nothing: it marks no pixel as the layer")
+    assert "'Maximum number of samples per label'" in text and "larger patch" in text
+    assert lines[-1] == "  1 of the 2 models learned nothing (Model 2): see the WARNING above"
+    # The state survives into a continuation's log object.
+    again = TrainingLog.open(tmp_path, clock=Clock())
+    assert again._state.learned_nothing == ["Model 2"]

@@ -52,6 +52,11 @@ log = structlog.get_logger("worker")
 
 #: Folders of the run directory that only matter until the final reply is out.
 TRANSIENT_RUN_FOLDERS = ("inputs", "checkpoints")
+#: What the worker's ``layer_learned_nothing`` event tells the operator to have the user change.
+LEARNED_NOTHING_ADVICE = (
+    "the model marks every pixel alike: train again with more of this layer (paint more of it, or raise the "
+    "samples per label), more epochs, or a larger patch"
+)
 #: The reply key of the Log File (Rodan 3.x's output port; generation 3 only).
 LOG_FILE_KEY = "Log File"
 
@@ -358,6 +363,21 @@ def train(
         if story is not None:
             story.epoch(event)
 
+    def on_layer(event: dict[str, Any]) -> None:
+        fields = {key: value for key, value in event.items() if key != "event"}
+        model = reply_keys.get(str(event.get("label")), str(event.get("label")))
+        if event["event"] == "fresh_start":
+            log.warning("layer_fresh_start", model=model, **fields)
+            if story is not None:
+                story.fresh_start(event)
+            return
+        if event.get("one_class"):
+            log.warning("layer_learned_nothing", model=model, advice=LEARNED_NOTHING_ADVICE, **fields)
+        else:
+            log.info("layer_trained", model=model, **fields)
+        if story is not None:
+            story.layer_trained(event, model)
+
     from worker.trainer import TrainingInterrupted, train_pages
 
     try:
@@ -370,6 +390,7 @@ def train(
             checkpoints=checkpoints,
             stop_requested=stop_requested,
             initial_models=starting or None,
+            on_layer=on_layer,
         )
     except TrainingInterrupted:
         raise  # checkpointed: the caller continues the job

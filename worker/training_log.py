@@ -76,6 +76,7 @@ class _State:
     current_label: str | None = None
     current_records: list[dict[str, Any]] = field(default_factory=list)
     finished_labels: list[str] = field(default_factory=list)
+    learned_nothing: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -84,6 +85,7 @@ class _State:
             "current_label": self.current_label,
             "current_records": self.current_records,
             "finished_labels": self.finished_labels,
+            "learned_nothing": self.learned_nothing,
         }
 
     @classmethod
@@ -94,6 +96,7 @@ class _State:
             current_label=data.get("current_label"),
             current_records=[dict(r) for r in data.get("current_records", [])],
             finished_labels=[str(x) for x in data.get("finished_labels", [])],
+            learned_nothing=[str(x) for x in data.get("learned_nothing", [])],
         )
 
 
@@ -177,15 +180,18 @@ class TrainingLog:
             lines.append("  training starts from: " + ", ".join(starting_models))
         self._write(lines)
 
+    def _enter_layer(self, label: str) -> list[str]:
+        if label == self._state.current_label:
+            return []
+        lines = self._close_layer()
+        self._state.current_label = label
+        self._state.current_records = []
+        return [*lines, f"{self._stamp()}  layer {label}"]
+
     def epoch(self, record: Mapping[str, Any]) -> None:
         """One epoch of a layer (a trainer epoch record)."""
         label = str(record.get("label", "?"))
-        lines: list[str] = []
-        if label != self._state.current_label:
-            lines += self._close_layer()
-            self._state.current_label = label
-            self._state.current_records = []
-            lines.append(f"{self._stamp()}  layer {label}")
+        lines = self._enter_layer(label)
         again = any(r.get("epoch") == record.get("epoch") for r in self._state.current_records)
         self._state.current_records = [r for r in self._state.current_records if r.get("epoch") != record.get("epoch")]
         self._state.current_records.append({k: _plain(v) for k, v in record.items()})
@@ -197,6 +203,47 @@ class TrainingLog:
             f"({format_seconds(float(record.get('seconds', math.nan)))}, "
             f"{_number(record.get('samples_per_second'), 1)} samples/s)"
         )
+        self._write(lines)
+        self._save_state()
+
+    def fresh_start(self, event: Mapping[str, Any]) -> None:
+        """The trainer's ``fresh_start`` event: the layer's first epoch was rejected and it starts again."""
+        label = str(event.get("label", "?"))
+        lines = self._enter_layer(label)
+        lines.append(
+            f"  its first epoch ended no better than a model that knows nothing (val_loss "
+            f"{_number(event.get('val_loss'))}, the constant answer's {_number(event.get('start_loss'))}; it marks "
+            f"{event.get('answer', '?')}): the model could not move from its starting weights. It starts again "
+            f"from new weights (fresh start {event.get('fresh_start', '?')} of {event.get('of', '?')}); that epoch "
+            "is not counted"
+        )
+        self._write(lines)
+        self._save_state()
+
+    def layer_trained(self, event: Mapping[str, Any], model: str) -> None:
+        """The trainer's ``layer_trained`` event: the layer's summary, and in plain words whether its
+        model (``model``: the name the user sees, e.g. ``Model 2``) learned anything."""
+        label = str(event.get("label", "?"))
+        lines = self._enter_layer(label)
+        if label not in self._state.finished_labels:
+            self._state.finished_labels.append(label)
+            starts = int(event.get("fresh_starts") or 0)
+            again = f", after {starts} fresh start{'s' if starts != 1 else ''}" if starts else ""
+            lines.append(
+                f"  layer {label}: best val_accuracy {_number(event.get('best_val_accuracy'))} at epoch "
+                f"{event.get('best_epoch', '?')} of {event.get('epochs_run', '?')} run{again}; "
+                f"its model is the one returned as {model}"
+            )
+            answer = event.get("one_class")
+            if answer:
+                self._state.learned_nothing.append(model)
+                lines += [
+                    f"  WARNING: {model} (layer {label}) learned nothing: it marks {answer} on the validation "
+                    "patches, so in a classified page it will give every pixel the same answer for this layer.",
+                    "  Do not rely on it. Train again with more of this layer: paint more of it in Pixel.js or "
+                    "raise 'Maximum number of samples per label', raise 'Maximum number of training epochs', "
+                    "or choose a larger patch.",
+                ]
         self._write(lines)
         self._save_state()
 
@@ -233,6 +280,12 @@ class TrainingLog:
             f"{self._stamp()}  finished: {len(models)} models ({', '.join(models)}) in {format_seconds(total)}"
             f" over {jobs} job{'s' if jobs != 1 else ''}"
         )
+        useless = self._state.learned_nothing
+        if useless:
+            lines.append(
+                f"  {len(useless)} of the {len(models)} models learned nothing ({', '.join(useless)}): see the "
+                "WARNING above"
+            )
         self._write(lines)
         self._save_state()
 
