@@ -1,12 +1,14 @@
 """Our multi-page trainer against Paco_classifier's own ``train_msae`` (what Rodan 3.1.0 runs), same samples.
 
-Both sides train on the same two sample zips (as Pixel.js writes them: ``Image.png``, ``rgba PNG -
-Selected regions.png``, ``rgba PNG - Layer 0 (Background).png``, ``rgba PNG - Layer 1.png`` (neumes),
-``rgba PNG - Layer 2.png`` (staff lines)), each a 1024 x 1024 crop of the real Einsiedeln masks
-(``HPC_EINSIEDELN_DIR``, by default ``bridge.testing.samples.EINSIEDELN_DIR``) with an image
-synthesized from them, whose selected region is the top :data:`TRAIN_ROWS` rows only. The rows
-from :data:`EVAL_TOP` down are the held-out evaluation neither side trains on (the gap between
-keeps our patches, centred on selected pixels, out of it; Paco crops the page to the region).
+Both sides train on the same two sample zips of a crop pair (:data:`CROP_PAIRS`; ``--pairs``), as
+Pixel.js writes them: ``Image.png``, ``rgba PNG - Selected regions.png``, ``rgba PNG - Layer 0
+(Background).png``, ``rgba PNG - Layer 1.png`` (neumes), ``rgba PNG - Layer 2.png`` (staff lines),
+each a 1024 x 1024 crop of the real Einsiedeln masks (``HPC_EINSIEDELN_DIR``, by default
+``bridge.testing.samples.EINSIEDELN_DIR``) with an image synthesized from them, whose selected
+region is the top :data:`TRAIN_ROWS` rows only. The rows from :data:`EVAL_TOP` down are the
+held-out evaluation neither side trains on (the gap between keeps our patches, centred on selected
+pixels, out of it; Paco crops the page to the region). Each pair (one on each folio) is trained and
+scored on its own.
 
 * **paco**: ``paco_side.py train`` in the TensorFlow 2.15.1 consumer environment
   (``consumers.by_name("tf2.15.1-py3.11")``, Paco_classifier from ``consumers.paco.paco_source()``):
@@ -14,7 +16,9 @@ keeps our patches, centred on selected pixels, out of it; Paco crops the page to
   calls them (file selection SHUFFLE, sample extraction RANDOM), with Paco's cgroup-v1 memory probe
   replaced by a function returning this machine's MemTotal (see ``paco_side.py``).
 * **ours**: ``worker.sample_zips.read_samples`` and ``worker.trainer.train_pages`` in ``.venv``, with
-  the worker's oneDNN choice first, as the worker runs them.
+  the worker's oneDNN choice first, as the worker runs them, with the trainer's defaults.
+* **ours (NAME)**, one per ``--variant NAME=JSON``: the same with these ``TrainSettings`` fields
+  (what was tried, e.g. ``corner={"patch_anchor": "corner"}``).
 
 Two parts:
 
@@ -28,20 +32,30 @@ Two parts:
   is the same on both sides. Every step's end is noted by an observing Keras callback on both sides;
   "steady" steps are those after each fit's first step (tracing) and before each epoch's last (ours
   may be a partial batch). Peak RSS is each child's own ``getrusage`` maximum.
-* **accuracy** at a small setting that learns (``--patch``/``--samples``/``--epochs``/``--batch``),
-  ``--seeds`` seeds per side. Every model of both sides is scored by one ``paco_side.py score``
-  process (TensorFlow 2.15.1's ``load_model``, as Rodan opens the files) on the held-out rows of both
-  pages: pixel accuracy and F1 against the layer's mask; a layer is stuck where the prediction is
-  constant or its F1 is below 0.01 (the model never left "all background" / "all layer"). Beside them the best
-  ``val_accuracy`` as each side reports it (Paco: 2 random batches per epoch, one per page; ours:
-  the held-out fifth of its samples).
+* **accuracy** at a small setting that learns (``--patch``/``--samples``/``--epochs``/``--batch``,
+  the same for every side), ``--seeds`` seeds per side and crop pair. Two scores, each computed by
+  one process for all sides' files of a pair (TensorFlow 2.15.1, as Rodan opens them):
+
+  - **the label image**, what the musicologist gets: every run's three models go to Paco_classifier's
+    own ``process_image_msae`` (``paco_side.py label``, window ``--window``; Paco's fixed-input
+    files are re-saved with an input of any size first, see ``paco_side.py``), and each layer's F1
+    is "labelled as this layer" against its mask on the held-out rows of both pages;
+  - **each model alone** (``paco_side.py score``): its prediction (> 0.5) on tiles of its patch size,
+    pixel accuracy and F1 against its layer's mask; a model is stuck where the prediction is
+    constant or its F1 is below 0.01 (it never left "all background" / "all layer").
+
+  Beside them the best ``val_accuracy`` as each side reports it (Paco: 2 random batches per epoch,
+  one per page; ours: the held-out fifth of its samples), and each run's training seconds: the
+  goal lines compare each of our sides with Paco's per layer (mean label-image F1 at least Paco's,
+  worst seed above Paco's worst, nothing stuck).
 
 Every subprocess goes through ``bridge.shell.run_command``; runs alternate sides, with the
 1-minute load average noted.
 
-    .venv/bin/python benchmarks/bench_paco.py --skip-speed   # accuracy only: ~35 min at load 4-9 on 2 cores
+    .venv/bin/python benchmarks/bench_paco.py --skip-speed   # accuracy: 2 pairs x 5 seeds x 2 sides, 32x32, 10 epochs
+    .venv/bin/python benchmarks/bench_paco.py --skip-speed --variant 'corner={"patch_anchor": "corner"}'
     .venv/bin/python benchmarks/bench_paco.py                # + speed, 256x256: over 13 min a side at load 4-9
-    .venv/bin/python benchmarks/bench_paco.py --quick     # smoke test: tiny settings, one run per side
+    .venv/bin/python benchmarks/bench_paco.py --quick     # smoke test: tiny settings, one pair, one run per side
 """
 
 from __future__ import annotations
@@ -65,8 +79,13 @@ REPO = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
 PACO_SIDE = HERE / "paco_side.py"
 CONSUMER = "tf2.15.1-py3.11"
-#: Two 1024 x 1024 crops (left, top, right, bottom) of the 4872 x 12992 masks, with neumes and staff lines.
-CROPS = ((1024, 2048, 2048, 3072), (1024, 3072, 2048, 4096))
+#: Crop pairs: two 1024 x 1024 crops (left, top, right, bottom) of the 4872 x 12992 masks that train
+#: together, as a Rodan run's two sample zips. "32r" lies on the first folio, "263v" on the second
+#: (its rows from about 6 400 down); each pair is trained and scored on its own.
+CROP_PAIRS: dict[str, tuple[tuple[int, int, int, int], ...]] = {
+    "32r": ((1024, 2048, 2048, 3072), (1024, 3072, 2048, 4096)),
+    "263v": ((2048, 8192, 3072, 9216), (2048, 9216, 3072, 10240)),
+}
 #: The selected region (what both sides train on): rows 0 .. TRAIN_ROWS of every page.
 TRAIN_ROWS = 640
 #: The held-out evaluation: rows EVAL_TOP .. the bottom of every page (256 rows).
@@ -134,6 +153,7 @@ def child(spec_path: Path) -> int:
         batch_size=spec["batch_size"],
         patience=spec["patience"],
         seed=spec["seed"],
+        **spec.get("trainer_options", {}),
     )
     records: list[dict[str, Any]] = []
     run_dir = TimedRunDirectory.create(out / "runs", "bench")
@@ -161,8 +181,8 @@ def child(spec_path: Path) -> int:
 # ----------------------------------------------------------------------------- the parent
 
 
-def prepare(work: Path) -> tuple[list[Path], Path]:
-    """Write the two sample zips (selected region: the top rows) and the held-out evaluation npz."""
+def prepare(work: Path, crops: tuple[tuple[int, int, int, int], ...]) -> tuple[list[Path], Path]:
+    """Write the sample zips of ``crops`` (selected region: the top rows) and the held-out evaluation npz."""
     import numpy as np
     from PIL import Image
 
@@ -171,7 +191,8 @@ def prepare(work: Path) -> tuple[list[Path], Path]:
     data_dir = Path(os.environ.get("HPC_EINSIEDELN_DIR", str(EINSIEDELN_DIR)))
     zips: list[Path] = []
     arrays: dict[str, Any] = {}
-    for index, crop in enumerate(CROPS):
+    work.mkdir(parents=True, exist_ok=True)
+    for index, crop in enumerate(crops):
         uploads = work / f"uploads-{index}"
         inputs = synthesize_page_from_masks(data_dir, uploads, crop, generation="new", seed=index)
 
@@ -204,7 +225,13 @@ def memory_limit_gb() -> float:
 
 
 def run_side(
-    side: str, setting: Setting, seed: int, zips: list[Path], work: Path, paco: tuple[Path, Path]
+    side: str,
+    setting: Setting,
+    seed: int,
+    zips: list[Path],
+    work: Path,
+    paco: tuple[Path, Path],
+    trainer_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     from bridge.shell import run_command
 
@@ -219,6 +246,7 @@ def run_side(
         "seed": seed,
         "out_dir": str(out),
         "memory_limit_gb": memory_limit_gb(),
+        "trainer_options": trainer_options or {},
     }
     spec_path = out / "spec.json"
     spec_path.write_text(json.dumps(spec))
@@ -237,6 +265,8 @@ def run_side(
         raise RuntimeError(f"{side} failed ({done.returncode}): {done.stderr[-4000:]}")
     result: dict[str, Any] = json.loads(lines[-1])
     result.update({"load": load, "load_after": os.getloadavg()[0], "seed": seed, "setting": asdict(setting)})
+    if side == "ours":
+        result["trainer_options"] = trainer_options or {}
     return result
 
 
@@ -254,6 +284,23 @@ def score_all(runs: list[dict[str, Any]], evaluation: Path, patch: int, paco: tu
     scores = {s["model"]: s for s in json.loads(done.stdout.splitlines()[-1])["scores"]}
     for run in runs:
         run["scores"] = [scores[f"{layer}:{path}"] for layer, path in enumerate(run["models"])]
+
+
+def label_all(runs: list[dict[str, Any]], evaluation: Path, window: int, paco: tuple[Path, Path]) -> None:
+    """Classify the held-out pages with every run's models through Paco_classifier's own
+    ``process_image_msae`` (``paco_side.py label``, one process for all runs); add ``label`` (per layer)."""
+    from bridge.shell import run_command
+
+    python, source = paco
+    entries = [f"{index}:{','.join(run['models'])}" for index, run in enumerate(runs)]
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    env.update({"PYTHONPATH": str(source), "CUDA_VISIBLE_DEVICES": "", "TF_CPP_MIN_LOG_LEVEL": "3"})
+    done = run_command(
+        [str(python), str(PACO_SIDE), "label", str(evaluation), str(window), *entries], timeout=3600, env=env
+    )
+    labels = {int(entry["run"]): entry for entry in json.loads(done.stdout.splitlines()[-1])["labels"]}
+    for index, run in enumerate(runs):
+        run["label"] = labels[index]["layers"]
 
 
 # ----------------------------------------------------------------------------- the tables
@@ -338,26 +385,32 @@ def stuck(score: dict[str, Any]) -> bool:
     return bool(score["constant"]) or score["f1"] < STUCK_F1
 
 
+def _spread(values: list[float]) -> str:
+    return f"{statistics.mean(values):.4f} ({min(values):.4f}-{max(values):.4f})"
+
+
 def accuracy_tables(runs: list[dict[str, Any]]) -> None:
+    """Per run and layer: the label image's F1 (what the user gets), then each model's own scores."""
     from benchmarks.tables import print_table
 
     rows = []
     for run in runs:
         for index, name in enumerate(LAYER_NAMES[: len(run["scores"])]):
-            score = run["scores"][index]
-            layer = run["layers"][index]
+            score, layer, label = run["scores"][index], run["layers"][index], run["label"][index]
             rows.append(
                 [
                     run["side"],
                     str(run["seed"]),
                     name,
-                    f"{best_val(layer):.4f}",
-                    str(len(layer["history"])),
-                    f"{score['accuracy']:.4f}",
-                    f"{score['non_layer_share']:.4f}",
+                    f"{label['f1']:.4f}",
+                    f"{label['labelled_share']:.4f}",
+                    f"{label['truth_share']:.4f}",
                     f"{score['f1']:.4f}",
                     f"{score['positive_share']:.4f}",
+                    f"{best_val(layer):.4f}",
+                    str(len(layer["history"])),
                     "STUCK" if stuck(score) else "no",
+                    f"{run['training_s']:.1f}",
                     f"{run['load']:.2f}",
                 ]
             )
@@ -366,37 +419,82 @@ def accuracy_tables(runs: list[dict[str, Any]]) -> None:
             "side",
             "seed",
             "layer",
+            "label-image F1",
+            "labelled share",
+            "truth share",
+            "model F1",
+            "model's predicted share",
             "best val_accuracy (own)",
             "epochs",
-            "held-out accuracy",
-            "non-layer share",
-            "held-out F1",
-            "predicted layer share",
             "stuck",
+            "training s",
             "load",
         ],
         rows,
     )
-    print()
-    summary = []
-    for side in ("ours", "paco"):
+
+
+def summary_table(runs: list[dict[str, Any]], sides: list[str]) -> dict[str, dict[str, dict[str, list[float]]]]:
+    """Means (min-max) over seeds per side and layer; returns side -> layer -> measure -> values."""
+    from benchmarks.tables import print_table
+
+    found: dict[str, dict[str, dict[str, list[float]]]] = {}
+    rows = []
+    for side in sides:
         mine = [r for r in runs if r["side"] == side]
         if not mine:
             continue
         for index, name in enumerate(LAYER_NAMES[: len(mine[0]["scores"])]):
-            acc = [r["scores"][index]["accuracy"] for r in mine]
-            f1 = [r["scores"][index]["f1"] for r in mine]
-            n_stuck = sum(stuck(r["scores"][index]) for r in mine)
-            summary.append(
+            values = {
+                "label_f1": [r["label"][index]["f1"] for r in mine],
+                "model_f1": [r["scores"][index]["f1"] for r in mine],
+                "stuck": [float(stuck(r["scores"][index])) for r in mine],
+                "training_s": [r["training_s"] for r in mine],
+            }
+            found.setdefault(side, {})[name] = values
+            rows.append(
                 [
                     side,
                     name,
-                    f"{statistics.mean(acc):.4f} ({min(acc):.4f}-{max(acc):.4f})",
-                    f"{statistics.mean(f1):.4f} ({min(f1):.4f}-{max(f1):.4f})",
-                    f"{n_stuck}/{len(mine)}",
+                    _spread(values["label_f1"]),
+                    _spread(values["model_f1"]),
+                    f"{int(sum(values['stuck']))}/{len(mine)}",
+                    f"{statistics.mean(values['training_s']):.1f}",
                 ]
             )
-    print_table(["side", "layer", "held-out accuracy, mean (min-max)", "held-out F1, mean (min-max)", "stuck"], summary)
+    print_table(
+        [
+            "side",
+            "layer",
+            "label-image F1, mean (min-max)",
+            "model F1, mean (min-max)",
+            "stuck",
+            "training s, mean",
+        ],
+        rows,
+    )
+    return found
+
+
+def goal_lines(found: dict[str, dict[str, dict[str, list[float]]]]) -> None:
+    """Issue #26's goal on one crop pair, layer by layer: each of our sides against Paco's label-image F1
+    (mean at least Paco's, worst seed above Paco's worst, no stuck model)."""
+    if "paco" not in found:
+        return
+    for side, layers in found.items():
+        if side == "paco":
+            continue
+        for name, ours in layers.items():
+            paco = found["paco"][name]
+            mean_gap = statistics.mean(ours["label_f1"]) - statistics.mean(paco["label_f1"])
+            worst_gap = min(ours["label_f1"]) - min(paco["label_f1"])
+            verdict = "met" if mean_gap >= 0 and worst_gap > 0 and not any(ours["stuck"]) else "NOT met"
+            print(
+                f"- {side}, {name}: mean label-image F1 {mean_gap:+.4f} against Paco's, worst seed "
+                f"{worst_gap:+.4f}, stuck {int(sum(ours['stuck']))}, training "
+                f"{statistics.mean(ours['training_s']):.0f} s against {statistics.mean(paco['training_s']):.0f} s: "
+                f"{verdict}"
+            )
 
 
 def main() -> int:
@@ -411,8 +509,24 @@ def main() -> int:
     parser.add_argument("--patch", type=int, default=32, help="accuracy runs: patch size")
     parser.add_argument("--batch", type=int, default=16, help="accuracy runs: batch size")
     parser.add_argument("--samples", type=int, default=160, help="accuracy runs: samples per label")
-    parser.add_argument("--epochs", type=int, default=3, help="accuracy runs: epochs")
-    parser.add_argument("--seeds", type=int, default=3, help="accuracy runs per side")
+    parser.add_argument("--epochs", type=int, default=10, help="accuracy runs: epochs")
+    parser.add_argument("--seeds", type=int, default=5, help="accuracy runs per side and crop pair")
+    parser.add_argument("--first-seed", type=int, default=1, help="accuracy runs: the first seed")
+    parser.add_argument(
+        "--pairs", nargs="+", default=list(CROP_PAIRS), choices=list(CROP_PAIRS), help="accuracy runs: crop pairs"
+    )
+    parser.add_argument("--sides", nargs="+", default=["ours", "paco"], choices=["ours", "paco"])
+    parser.add_argument(
+        "--window", type=int, default=128, help="the classifier's window (process_image_msae: more than 51)"
+    )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help='also train our side with these TrainSettings fields, e.g. \'corner={"patch_anchor": "corner"}\' '
+        "(repeatable; each is a side of its own, beside ours with the defaults)",
+    )
     parser.add_argument("--skip-speed", action="store_true", help="only the accuracy runs")
     parser.add_argument("--skip-accuracy", action="store_true", help="only the speed runs")
     parser.add_argument("--json", type=Path, help="also write every run's raw record here (after every run)")
@@ -423,15 +537,22 @@ def main() -> int:
     import consumers
     from consumers.paco import paco_source
 
+    sides: dict[str, dict[str, Any] | None] = {}  # side -> our TrainSettings fields (None: Paco's)
+    for side in args.sides:
+        sides[side] = {} if side == "ours" else None
+    for item in args.variant:
+        name, _, value = item.partition("=")
+        sides[f"ours ({name})"] = json.loads(value)
     paco = (consumers.by_name(CONSUMER).python(), paco_source())
+    pairs = args.pairs
     if args.quick:
         speed: Setting | None = None
         accuracy: Setting | None = Setting(patch=32, batch=8, samples=32, epochs=1)
-        seeds = [1]
+        seeds, pairs = [1], pairs[:1]
     else:
         speed = None if args.skip_speed else Setting(patch=256, batch=8, samples=args.speed_samples, epochs=1)
         accuracy = None if args.skip_accuracy else Setting(args.patch, args.batch, args.samples, args.epochs)
-        seeds = list(range(1, args.seeds + 1))
+        seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     speed_runs: list[dict[str, Any]] = []
     accuracy_runs: list[dict[str, Any]] = []
 
@@ -441,21 +562,28 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="bench-paco-") as scratch:
         work = Path(scratch)
-        zips, evaluation = prepare(work)
         if speed is not None:
+            zips, _ = prepare(work / "speed", CROP_PAIRS["32r"])
             for side in args.speed_sides:
                 print(f"[bench] speed: {side}", file=sys.stderr, flush=True)
                 mine = speed if side == "paco" else dataclasses.replace(speed, samples=args.speed_samples_ours)
                 speed_runs.append(run_side(side, mine, 1, zips, work, paco))
                 save()
-        for seed in seeds if accuracy is not None else []:
+        for pair in pairs if accuracy is not None else []:
             assert accuracy is not None
-            pair = []
-            for side in ("ours", "paco"):
-                print(f"[bench] accuracy seed {seed}: {side}", file=sys.stderr, flush=True)
-                pair.append(run_side(side, accuracy, seed, zips, work, paco))
-            score_all(pair, evaluation, accuracy.patch, paco)  # the same scorer for both sides' files
-            accuracy_runs.extend(pair)
+            zips, evaluation = prepare(work / pair, CROP_PAIRS[pair])
+            runs = []
+            for seed in seeds:
+                for side, options in sides.items():  # alternating sides: the machine's load falls on all
+                    print(f"[bench] accuracy {pair} seed {seed}: {side}", file=sys.stderr, flush=True)
+                    kind = "paco" if options is None else "ours"
+                    run = run_side(kind, accuracy, seed, zips, work, paco, options)
+                    run.update({"pair": pair, "side": side})
+                    runs.append(run)
+            print(f"[bench] scoring {pair}", file=sys.stderr, flush=True)
+            score_all(runs, evaluation, accuracy.patch, paco)  # the same scorer for both sides' files
+            label_all(runs, evaluation, args.window, paco)
+            accuracy_runs.extend(runs)
             save()
     if speed is not None:
         print(f"### Speed: {speed.describe()} (ours: {args.speed_samples_ours} samples per label), 2 pages, 3 layers\n")
@@ -463,8 +591,18 @@ def main() -> int:
     if accuracy is not None:
         print(f"\n### Speed of the accuracy runs: {accuracy.describe()}\n")
         speed_table(accuracy_runs)
-        print(f"\n### Accuracy: {accuracy.describe()}, {len(seeds)} seed(s) per side, held-out rows {EVAL_TOP}-1024\n")
-        accuracy_tables(accuracy_runs)
+        for side, options in sides.items():
+            if options:
+                print(f"\n{side}: TrainSettings {json.dumps(options)}")
+        for pair in pairs:
+            runs = [r for r in accuracy_runs if r["pair"] == pair]
+            print(
+                f"\n### Accuracy, crop pair {pair}: {accuracy.describe()}, {len(seeds)} seed(s) per side, "
+                f"held-out rows {EVAL_TOP}-1024 of both pages, classifier window {args.window}\n"
+            )
+            accuracy_tables(runs)
+            print()
+            goal_lines(summary_table(runs, list(sides)))
     return 0
 
 

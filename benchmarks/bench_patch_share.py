@@ -34,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
-from bench_paco import CROPS, LAYER_NAMES, TRAIN_ROWS  # noqa: E402
+from bench_paco import CROP_PAIRS, LAYER_NAMES, TRAIN_ROWS  # noqa: E402
 from tables import print_table  # noqa: E402
 
 
@@ -47,7 +47,7 @@ def region_masks(work: Path) -> list[list[Any]]:
 
     data_dir = Path(os.environ.get("HPC_EINSIEDELN_DIR", str(EINSIEDELN_DIR)))
     pages = []
-    for index, crop in enumerate(CROPS):
+    for index, crop in enumerate(CROP_PAIRS["32r"]):
         uploads = work / f"uploads-{index}"
         inputs = synthesize_page_from_masks(data_dir, uploads, crop, generation="new", seed=index)
         masks = []

@@ -28,6 +28,20 @@ Two commands, each printing one JSON line on stdout (Paco's own progress goes to
     and column of tiles aligned with the edge), and the prediction (> 0.5) is compared with the
     mask of the model's layer (``mask_<page>_<INDEX>``, INDEX 0 the background): pixel accuracy,
     F1 of the layer, the share of non-layer pixels, and whether the prediction is constant.
+
+``paco_side.py label EVAL.npz WINDOW RUN:MODEL0.hdf5,MODEL1.hdf5,... [RUN:... ...]``
+    What a musicologist gets: each run's models, background first, in port order, go to
+    Paco_classifier's own ``recognition_engine.process_image_msae(image, models, WINDOW, WINDOW,
+    mode="logical")`` on every held-out page, as Rodan 3.x's classifier job calls it; the label image
+    (one label per pixel, the index of the model that won) is compared with every layer's mask: per
+    layer, F1 of "labelled k" against ``mask_<page>_<k>``, and the share of pixels labelled k.
+
+    The window must be over 51 pixels (the function pads 25 on every side and steps
+    ``WINDOW - 51``), and Paco's own files accept only their training patch (their input is fixed:
+    TensorFlow 2.15 refuses a 128 x 128 window for a 32 x 32 model). Such a file is therefore
+    re-saved with an input of any size (``clone_model`` on a ``(None, None, 3)`` input, the same
+    layers and weights) before classification, as ours are saved; the network is fully
+    convolutional, so both sides are classified by the same code with the same window.
 """
 
 from __future__ import annotations
@@ -187,11 +201,70 @@ def score(eval_path: Path, patch: int, models: list[str]) -> int:
     return 0
 
 
+def _any_window(path: Path) -> str:
+    """``path``, or a copy beside it whose input takes windows of any size (see the module docstring)."""
+    import tensorflow as tf
+
+    model = tf.keras.models.load_model(path, compile=False)
+    if model.input_shape[1] is None:
+        return str(path)
+    flexible = tf.keras.models.clone_model(model, input_tensors=tf.keras.Input(shape=(None, None, 3)))
+    flexible.set_weights(model.get_weights())
+    copy = path.with_name(path.stem + "-any-window.hdf5")
+    flexible.save(copy, save_format="h5")
+    tf.keras.backend.clear_session()
+    return str(copy)
+
+
+def label(eval_path: Path, window: int, runs: list[str]) -> int:
+    """Label images of the held-out pages by ``process_image_msae`` (module docstring); one JSON line."""
+    import numpy as np
+    import tensorflow as tf
+    from Paco_classifier import recognition_engine
+
+    data = np.load(eval_path)
+    pages = sorted({key.split("_")[1] for key in data.files if key.startswith("image_")})
+    results = []
+    for entry in runs:
+        run_id, paths_text = entry.split(":", 1)
+        models = [_any_window(Path(path)) for path in paths_text.split(",")]
+        predicted, truths = [], []
+        started = time.time()
+        for page in pages:
+            with contextlib.redirect_stdout(sys.stderr):  # Paco prints every row of windows
+                labels = recognition_engine.process_image_msae(
+                    np.ascontiguousarray(data[f"image_{page}"]), models, window, window, mode="logical"
+                )
+            predicted.append(np.asarray(labels).ravel())
+            truths.append([data[f"mask_{page}_{k}"].ravel() for k in range(len(models))])
+            tf.keras.backend.clear_session()
+        labelled = np.concatenate(predicted)
+        layers = []
+        for k in range(len(models)):
+            truth = np.concatenate([t[k] for t in truths])
+            mine = labelled == k
+            tp = int(np.sum(truth & mine))
+            fp = int(np.sum(~truth & mine))
+            fn = int(np.sum(truth & ~mine))
+            layers.append(
+                {
+                    "f1": 2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 1.0,
+                    "labelled_share": float(np.mean(mine)),
+                    "truth_share": float(np.mean(truth)),
+                }
+            )
+        results.append({"run": run_id, "layers": layers, "seconds": time.time() - started})
+    print(json.dumps({"labels": results, "tensorflow": tf.__version__}))
+    return 0
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["train"] and len(argv) == 2:
         return train(Path(argv[1]))
     if argv[:1] == ["score"] and len(argv) >= 4:
         return score(Path(argv[1]), int(argv[2]), argv[3:])
+    if argv[:1] == ["label"] and len(argv) >= 4:
+        return label(Path(argv[1]), int(argv[2]), argv[3:])
     print(__doc__, file=sys.stderr)
     return 2
 
