@@ -78,7 +78,7 @@ TRAIN_ROWS = 672
 #: patches of 32) keeps every training patch, centred on a selected pixel, out of them.
 EVAL_TOP = 768
 #: The job's settings in the workflow, chosen by measurement (README.md, the demo): with SEED, F1 0.99 /
-#: 0.95 / 0.89 on the held-out rows. The training took 3 min 41 s on 2 busy cores (load 3-6), 48-52 s
+#: 0.95 / 0.89 on the held-out rows. The training took 3.3-3.7 min on 2 busy cores (load 2.5-6), 48-52 s
 #: on quiet ones (benchmarks/README.md: bench_paco.py's quiet 10-epoch runs of these settings). 6 epochs
 #: left the staff lines at F1 0.52 (trainer before 040ffeb); 8 epochs of 320 samples did not free the
 #: staff-line model of seed 2 (SEED).
