@@ -152,13 +152,30 @@ def train(spec_path: Path) -> int:
     return 0
 
 
+def _evaluation(eval_path: Path) -> tuple[Any, list[str]]:
+    """The held-out evaluation npz and its page numbers (``image_<page>``)."""
+    import numpy as np
+
+    data = np.load(eval_path)
+    return data, sorted({key.split("_")[1] for key in data.files if key.startswith("image_")})
+
+
+def _f1(truth: Any, predicted: Any) -> float:
+    """F1 of the boolean ``predicted`` against ``truth`` (1.0 when both are empty)."""
+    import numpy as np
+
+    tp = int(np.sum(truth & predicted))
+    fp = int(np.sum(~truth & predicted))
+    fn = int(np.sum(truth & ~predicted))
+    return 2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 1.0
+
+
 def score(eval_path: Path, patch: int, models: list[str]) -> int:
     """Score ``INDEX:PATH`` models on the held-out pages (module docstring); one JSON line per run."""
     import numpy as np
     import tensorflow as tf
 
-    data = np.load(eval_path)
-    pages = sorted({key.split("_")[1] for key in data.files if key.startswith("image_")})
+    data, pages = _evaluation(eval_path)
     results = []
     for entry in models:
         index_text, path = entry.split(":", 1)
@@ -183,14 +200,11 @@ def score(eval_path: Path, patch: int, models: list[str]) -> int:
             pred_all.append(out.ravel())
         truth_v = np.concatenate(true_all)
         pred_v = np.concatenate(pred_all)
-        tp = int(np.sum(truth_v & pred_v))
-        fp = int(np.sum(~truth_v & pred_v))
-        fn = int(np.sum(truth_v & ~pred_v))
         results.append(
             {
                 "model": entry,
                 "accuracy": float(np.mean(truth_v == pred_v)),
-                "f1": 2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 1.0,
+                "f1": _f1(truth_v, pred_v),
                 "non_layer_share": float(np.mean(~truth_v)),
                 "positive_share": float(np.mean(pred_v)),
                 "constant": bool(pred_v.all() or not pred_v.any()),
@@ -222,8 +236,7 @@ def label(eval_path: Path, window: int, runs: list[str]) -> int:
     import tensorflow as tf
     from Paco_classifier import recognition_engine
 
-    data = np.load(eval_path)
-    pages = sorted({key.split("_")[1] for key in data.files if key.startswith("image_")})
+    data, pages = _evaluation(eval_path)
     results = []
     for entry in runs:
         run_id, paths_text = entry.split(":", 1)
@@ -243,12 +256,9 @@ def label(eval_path: Path, window: int, runs: list[str]) -> int:
         for k in range(len(models)):
             truth = np.concatenate([t[k] for t in truths])
             mine = labelled == k
-            tp = int(np.sum(truth & mine))
-            fp = int(np.sum(~truth & mine))
-            fn = int(np.sum(truth & ~mine))
             layers.append(
                 {
-                    "f1": 2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 1.0,
+                    "f1": _f1(truth, mine),
                     "labelled_share": float(np.mean(mine)),
                     "truth_share": float(np.mean(truth)),
                 }

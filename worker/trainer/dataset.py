@@ -285,10 +285,10 @@ class PatchDataset:
         for start in range(0, self.samples, chunk):
             chosen = np.arange(start, min(start + chunk, self.samples))
             rows, cols = self._corners[chosen, 0], self._corners[chosen, 1]
-            if self._pages is None:
-                layer += int(np.count_nonzero(self._masks[0][rows, cols]))
-            else:
-                layer += int(np.count_nonzero(self._cut_pages(self._pages[chosen], rows, cols)[1]))
+            pages = np.zeros(len(chosen), dtype=np.int64) if self._pages is None else self._pages[chosen]
+            for page in np.unique(pages).tolist():  # the masks only: no image patch is cut
+                where = pages == page
+                layer += int(np.count_nonzero(self._masks[page][rows[where], cols[where]]))
         return layer, self.samples * height * width
 
     def batch(self, chosen: npt.NDArray[np.int64]) -> Batch:

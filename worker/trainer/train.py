@@ -562,11 +562,12 @@ def train_label(
         anchor=anchor,
     )  # fmt: skip
     layer_pixels, pixels = validation_data.layer_pixels()
+    train_pixels = train_data.layer_pixels()  # once: every fresh start trains on the same patches
     fresh_starts = resume.fresh_starts if resume is not None else 0
     while True:
         try:
             return _train_attempt(
-                label, settings, plan, models, train_data, validation_data, (layer_pixels, pixels),
+                label, settings, plan, models, train_data, validation_data, train_pixels, (layer_pixels, pixels),
                 seed=fresh_start_seed(init_seed, fresh_starts), fresh_starts=fresh_starts,
                 on_epoch=on_epoch, callbacks=callbacks, resume=resume, save=save,
                 stop_requested=stop_requested, initial_weights=initial_weights,
@@ -633,6 +634,7 @@ def _train_attempt(
     models: ModelReuse,
     train_data: PatchDataset,
     validation_data: PatchDataset,
+    train_pixels: tuple[int, int],
     validation_pixels: tuple[int, int],
     *,
     seed: int | None,
@@ -654,12 +656,12 @@ def _train_attempt(
     if initial_weights is not None:
         with plan.strategy.scope():
             model.set_weights(list(initial_weights))
-    train_layer_pixels, train_pixels = train_data.layer_pixels()
+    train_layer_pixels, train_all = train_pixels
     start_probability = 0.5  # a zero output bias: sigmoid(0)
     if settings.output_bias == "prior":
-        start_probability = min(max(train_layer_pixels / train_pixels, 1e-4), 1.0 - 1e-4)
+        start_probability = min(max(train_layer_pixels / train_all, 1e-4), 1.0 - 1e-4)
         if initial_weights is None and resume is None:
-            set_output_bias(model, plan, prior_bias(train_layer_pixels, train_pixels))
+            set_output_bias(model, plan, prior_bias(train_layer_pixels, train_all))
     layer_pixels, pixels = validation_pixels
     best = BestEpoch(keep_optimizer=settings.include_optimizer, trivial=lambda v: one_class(v, layer_pixels, pixels))
     stopper = EarlyStopper(settings.patience)
