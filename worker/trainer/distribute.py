@@ -298,7 +298,9 @@ class TrainingPlan:
         with self.strategy.scope(), dtype_policy(self.policy):
             model = build_sae(height, width)
             # weighted accuracy: padded batches (see the module docstring)
-            compile_sae(model, weighted_accuracy=self.replicas > 1, learning_rate=self.learning_rate)
+            compile_sae(
+                model, weighted_accuracy=self.replicas > 1, learning_rate=self.learning_rate, predicted_share=True
+            )
         return model
 
 

@@ -61,7 +61,20 @@ def build_sae(height: int | None, width: int | None) -> Any:
     return keras.Model(inputs=inputs, outputs=outputs, name="sae")
 
 
-def compile_sae(model: Any, *, weighted_accuracy: bool = False, learning_rate: float = LEARNING_RATE) -> None:
+#: The metric :func:`compile_sae` adds for training: the share of the pixels the model marks as the
+#: layer (probability > 0.5). Keras logs it as ``val_predicted_share`` on the validation patches, where
+#: it tells a model that marks almost no pixel as the layer (:func:`worker.trainer.callbacks.one_class`).
+PREDICTED_SHARE = "predicted_share"
+
+
+def _marked(y_true: Any, y_pred: Any) -> Any:
+    """1 where the model marks a pixel as the layer, else 0 (what Keras' binary accuracy thresholds)."""
+    return keras.ops.cast(keras.ops.greater(y_pred, 0.5), "float32")
+
+
+def compile_sae(
+    model: Any, *, weighted_accuracy: bool = False, learning_rate: float = LEARNING_RATE, predicted_share: bool = False
+) -> None:
     """Compile ``model`` as the original does: Adam(1e-4), binary cross-entropy, accuracy.
 
     ``learning_rate`` is Adam's for training (:attr:`TrainSettings.learning_rate
@@ -72,8 +85,13 @@ def compile_sae(model: Any, *, weighted_accuracy: bool = False, learning_rate: f
     ``weighted_metrics``): for training on several replicas, whose padded batches weigh
     their copies 0 (see :class:`worker.trainer.dataset.PatchDataset`). Without sample
     weights both are the same accuracy.
+
+    ``predicted_share`` adds the :data:`PREDICTED_SHARE` metric (for training only: a saved file
+    is compiled with the built-in metrics alone, which Rodan's Keras loads without custom objects).
     """
-    accuracy = ["accuracy"]
+    accuracy: list[Any] = ["accuracy"]
+    if predicted_share:
+        accuracy.append(keras.metrics.MeanMetricWrapper(_marked, name=PREDICTED_SHARE))
     model.compile(
         optimizer=keras.optimizers.Adam(learning_rate=learning_rate),
         loss="binary_crossentropy",

@@ -13,8 +13,8 @@ PATCH_MULTIPLE = 4
 STRATEGY_CHOICES = ("auto", "mirrored", "default")
 #: Values of ``TrainSettings.patch_anchor`` (see :func:`worker.trainer.dataset.anchor_offset`).
 PATCH_ANCHOR_CHOICES = ("centre", "corner")
-#: Values of ``TrainSettings.output_bias`` (see :func:`worker.trainer.train.prior_bias`).
-OUTPUT_BIAS_CHOICES = ("zero", "prior")
+#: Values of ``TrainSettings.output_start`` (see :func:`worker.trainer.train.start_output`).
+OUTPUT_START_CHOICES = ("keras", "prior", "opposed")
 #: Values of ``TrainSettings.mixed_precision``.
 MIXED_PRECISION_CHOICES = ("off", "auto", "float16", "bfloat16")
 
@@ -39,7 +39,10 @@ class TrainSettings:
     is ``"auto"`` (bfloat16 on GPUs of compute capability 8.0 and up, float32 elsewhere; the
     default), ``"off"`` (float32, the original trainer's precision, on every device),
     ``"float16"`` (``mixed_float16``) or ``"bfloat16"`` (``mixed_bfloat16``). See
-    :mod:`worker.trainer.distribute`.
+    :mod:`worker.trainer.distribute`. ``output_start`` is how a new model's output layer starts
+    (:func:`worker.trainer.train.start_output`): ``"keras"`` as Keras draws it (the original
+    trainer's), ``"prior"`` its bias at the layer's log-odds, ``"opposed"`` (the default) that bias
+    and its two weights of opposite signs.
     """
 
     epochs: int
@@ -55,7 +58,7 @@ class TrainSettings:
     mixed_precision: str = "auto"
     patch_anchor: str = "centre"
     learning_rate: float = 1e-4
-    output_bias: str = "prior"
+    output_start: str = "opposed"
 
     def __post_init__(self) -> None:
         if self.epochs < 1:
@@ -94,9 +97,9 @@ class TrainSettings:
             raise TrainingInputError(
                 f"patch_anchor must be one of {', '.join(PATCH_ANCHOR_CHOICES)}, not {self.patch_anchor!r}"
             )
-        if self.output_bias not in OUTPUT_BIAS_CHOICES:
+        if self.output_start not in OUTPUT_START_CHOICES:
             raise TrainingInputError(
-                f"output_bias must be one of {', '.join(OUTPUT_BIAS_CHOICES)}, not {self.output_bias!r}"
+                f"output_start must be one of {', '.join(OUTPUT_START_CHOICES)}, not {self.output_start!r}"
             )
         if not 0.0 < self.learning_rate < 1.0:
             raise TrainingInputError(f"the learning rate must lie strictly between 0 and 1, not {self.learning_rate}")

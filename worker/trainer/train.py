@@ -376,8 +376,15 @@ class _AddMetricSums(keras.callbacks.Callback):  # type: ignore[misc]
         if self.sums is None:
             return
         variables = [v for metric in self.model.metrics for v in metric.variables]
-        for variable, value in zip(variables, self.sums, strict=True):
-            variable.assign_add(value)
+        if len(variables) != len(self.sums):  # a checkpoint of a trainer with other metrics (0.3.0 and before)
+            log.warning(
+                "the checkpoint holds %d running metric sums and this trainer has %d: the resumed epoch's "
+                "loss and accuracy cover only its remaining batches",
+                len(self.sums), len(variables),
+            )  # fmt: skip
+        else:
+            for variable, value in zip(variables, self.sums, strict=True):
+                variable.assign_add(value)
         self.sums = None
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
@@ -607,12 +614,29 @@ def prior_bias(layer_pixels: int, pixels: int) -> float:
     return math.log(share / (1.0 - share))
 
 
-def set_output_bias(model: Any, plan: TrainingPlan, value: float) -> None:
-    """Set the bias of the SAE's output convolution (the layer named ``probability``) to ``value``."""
+def start_output(model: Any, plan: TrainingPlan, how: str, layer_pixels: int, pixels: int) -> None:
+    """Set a new model's output layer (the 1x1 convolution named ``probability``) as ``how`` says
+    (:data:`~worker.trainer.settings.OUTPUT_START_CHOICES`): ``"keras"`` leaves Keras' draw (a zero
+    bias); ``"prior"`` sets the bias to :func:`prior_bias`; ``"opposed"`` also gives its two weights,
+    as drawn in size, opposite signs: the first positive, the second negative.
+
+    The output reads two ReLU units. Drawn with the same sign (half of Keras' draws), both can only
+    push the probability one way from the bias, and on the staff lines they often both learned to fire
+    on the other pixels and pull those down: the layer's pixels then sit at the bias's probability,
+    below 0.5, and Adam at 1e-4 moves the bias by 1e-4 a step, so the model marks nothing for its
+    whole run (``tests/test_fresh_start.py``; 4 of 7 staff-line models on ``bench_paco.py``'s crop pair
+    32r at 10 epochs). With opposite signs one unit answers for the layer and one for the rest from
+    the first step."""
+    if how == "keras":
+        return
     layer = model.get_layer("probability")
     kernel, bias = layer.get_weights()
+    bias = np.full_like(bias, prior_bias(layer_pixels, pixels))
+    if how == "opposed":
+        kernel = np.abs(kernel)
+        kernel[..., 1:, :] *= -1  # kernel (1, 1, units, 1): the units after the first pull down
     with plan.strategy.scope():
-        layer.set_weights([kernel, np.full_like(bias, value)])
+        layer.set_weights([kernel, bias])
 
 
 #: How many times a layer whose first epoch ends in one class starts again from new weights
@@ -658,12 +682,14 @@ def _train_attempt(
             model.set_weights(list(initial_weights))
     train_layer_pixels, train_all = train_pixels
     start_probability = 0.5  # a zero output bias: sigmoid(0)
-    if settings.output_bias == "prior":
+    if settings.output_start != "keras":
         start_probability = min(max(train_layer_pixels / train_all, 1e-4), 1.0 - 1e-4)
-        if initial_weights is None and resume is None:
-            set_output_bias(model, plan, prior_bias(train_layer_pixels, train_all))
+    if initial_weights is None and resume is None:
+        start_output(model, plan, settings.output_start, train_layer_pixels, train_all)
     layer_pixels, pixels = validation_pixels
-    best = BestEpoch(keep_optimizer=settings.include_optimizer, trivial=lambda v: one_class(v, layer_pixels, pixels))
+    best = BestEpoch(
+        keep_optimizer=settings.include_optimizer, trivial=lambda v, share: one_class(v, layer_pixels, pixels, share)
+    )
     stopper = EarlyStopper(settings.patience)
     history: dict[str, list[float]] = {}
     loop = LayerLoop(label, train_data, settings.epochs, best, stopper, history, save, stop_requested, fresh_starts)
@@ -733,7 +759,7 @@ def _train_attempt(
         optimizer_variables=optimizer_variables,
         best_epoch=best.best_epoch,
         best_val_accuracy=best.best,
-        one_class=one_class(best.best, layer_pixels, pixels) if best.weights is not None else None,
+        one_class=one_class(best.best, layer_pixels, pixels, best.best_share) if best.weights is not None else None,
         fresh_starts=fresh_starts,
         epochs_run=len(history.get("loss", [])),
         train_samples=train_samples,
