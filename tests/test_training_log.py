@@ -160,3 +160,23 @@ def test_a_fresh_start_and_a_model_that_learned_nothing_are_said_in_plain_words(
     # The state survives into a continuation's log object.
     again = TrainingLog.open(tmp_path, clock=Clock())
     assert again._state.learned_nothing == ["Model 2"]
+
+
+def test_a_model_that_marks_almost_nothing_is_warned_of_as_learned_nothing(tmp_path: Path) -> None:
+    """A kept model that marks less than a tenth of the layer's share (the trainer's "almost no pixel as
+    the layer") is a model that learned nothing, said so with "almost" (mutation caught: the WARNING
+    claiming "every pixel" for it, or no WARNING for an answer other than the exact ones)."""
+    story = TrainingLog.open(tmp_path, clock=Clock())
+    story.job_started(request="req-3", job="8", host="node1", continuation=0)
+    story.epoch(record("Layer 2", 1, 0.749))
+    story.layer_trained(
+        {"event": "layer_trained", "label": "Layer 2", "best_epoch": 1, "best_val_accuracy": 0.749,
+         "epochs_run": 1, "fresh_starts": 2, "one_class": "almost no pixel as the layer"},
+        "Model 2",
+    )  # fmt: skip
+    story.finished(["Model 2"])
+    lines = (tmp_path / LOG_NAME).read_text().splitlines()
+    warning = next(line for line in lines if "WARNING" in line)
+    assert "it marks almost no pixel as the layer on the validation patches" in warning
+    assert "it will give almost every pixel the same answer" in warning
+    assert lines[-1] == "  1 of the 1 models learned nothing (Model 2): see the WARNING above"

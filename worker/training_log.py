@@ -237,9 +237,10 @@ class TrainingLog:
             answer = event.get("one_class")
             if answer:
                 self._state.learned_nothing.append(model)
+                every = "almost every" if str(answer).startswith("almost") else "every"
                 lines += [
                     f"  WARNING: {model} (layer {label}) learned nothing: it marks {answer} on the validation "
-                    "patches, so in a classified page it will give every pixel the same answer for this layer.",
+                    f"patches, so in a classified page it will give {every} pixel the same answer for this layer.",
                     "  Do not rely on it. Train again with more of this layer: paint more of it in Pixel.js or "
                     "raise 'Maximum number of samples per label', raise 'Maximum number of training epochs', "
                     "or choose a larger patch.",
