@@ -391,3 +391,28 @@ def test_resume_under_mirrored_strategy_and_mixed_precision(tmp_path: Path) -> N
     train_page(page, settings, tmp_path / "c", on_epoch=events.append, checkpoints=second)
     assert metrics(events) == metrics(expected)
     assert_same_weights(second.final_weights, reference.final_weights)
+
+
+def test_patches_drawn_every_epoch_resume_as_if_never_stopped(tmp_path: Path) -> None:
+    """With ``patch_draws="every_epoch"`` each epoch trains on a new draw from a pool three times as
+    large: interrupted part-way through an epoch, the continuation trains that epoch's own draw (kept
+    in the checkpoint) and the next ones as the uninterrupted run does, bit for bit (mutation caught:
+    a resumed epoch that draws its patches again, or a pool the continuation samples otherwise)."""
+    settings = dataclasses.replace(SETTINGS, patch_draws="every_epoch")
+    events: list[dict[str, Any]] = []
+    store = RecordingStore(tmp_path / "ref-checkpoints")
+    train_page(striped_page(), settings, tmp_path / "ref", on_epoch=events.append, checkpoints=store)
+    reference = Run({}, events, store, RunDirectory.create(tmp_path / "runs", "unused"), dict(store.final_weights))
+    state = store.load_latest()
+    assert state is not None
+    # Three epochs' worth of centres per layer, of which one epoch's share trains per epoch.
+    once = sample_centres(striped_page().masks, 32, 32, SETTINGS.max_samples_per_label, np.random.default_rng(0))
+    assert all(len(state.centres[label]) > 2 * len(once[label]) for label in LABELS)
+
+    stopped, first = interrupt(tmp_path, StopAt(("Layer 0", 1), batch=1), settings)
+    assert str(stopped).startswith("layer 'Layer 0' epoch 2 batch 1 of ")
+    second = RecordingStore(tmp_path / "checkpoints")
+    again: list[dict[str, Any]] = []
+    train_page(striped_page(), settings, tmp_path / "job-2", on_epoch=again.append, checkpoints=second)
+    assert metrics(first.events + again) == metrics(reference.events)
+    assert_same_weights({**first.final_weights, **second.final_weights}, reference.final_weights)

@@ -229,6 +229,32 @@ def test_batches_are_built_from_uint8_page() -> None:
     assert orders[0] != orders[1]
 
 
+def test_an_epoch_of_a_larger_pool_trains_a_new_draw_of_that_many_patches() -> None:
+    """``epoch_samples`` (``patch_draws="every_epoch"``): every epoch holds that many distinct centres
+    of the pool, a new draw each time, so the epochs together see more than one epoch's patches; the
+    layer's share counts the whole pool (mutation caught: shuffle() permuting the whole pool, which
+    makes every epoch 40 samples long)."""
+    page = striped_page(120, 130)
+    mask = page.masks["Layer 0"]
+    pool = np.stack([np.full(40, 50), np.arange(20, 60)], axis=1).astype(np.int64)
+    data = PatchDataset(page.image, mask, pool, PATCH, PATCH, 4, shuffle_rng=np.random.default_rng(0), epoch_samples=10)
+    assert (data.samples, data.pool, len(data)) == (10, 40, 3)
+    seen: set[int] = set()
+    orders = []
+    for _ in range(3):
+        data.shuffle()
+        order = data.order
+        assert len(order) == 10 and len(set(order.tolist())) == 10 and order.max() < 40
+        assert sum(len(data[i][0]) for i in range(len(data))) == 10
+        orders.append(tuple(order))
+        seen.update(order.tolist())
+    assert len(set(orders)) == 3 and len(seen) > 10
+    whole = PatchDataset(page.image, mask, pool, PATCH, PATCH, 4)
+    assert data.layer_pixels() == whole.layer_pixels()
+    with pytest.raises(ValueError, match="41 samples an epoch out of 40"):
+        PatchDataset(page.image, mask, pool, PATCH, PATCH, 4, epoch_samples=41)
+
+
 def test_training_input_gives_the_numpy_batches_bit_for_bit() -> None:
     """What fit reads (tf.data converted in TensorFlow ops, or on JAX converted on the device) equals
     the NumPy batches, every one of the 256 pixel values included, and follows the order drawn

@@ -164,6 +164,7 @@ class PatchDataset:
         *,
         bgr: npt.NDArray[np.uint8] | Sequence[npt.NDArray[np.uint8]] | None = None,
         anchor: str = "centre",
+        epoch_samples: int | None = None,
     ) -> None:
         images = [image] if isinstance(image, np.ndarray) else list(image)
         masks = [mask] if isinstance(mask, np.ndarray) else list(mask)
@@ -194,7 +195,10 @@ class PatchDataset:
         self._batch_size = batch_size
         self._patch_shape = (patch_height, patch_width)
         self._rng = shuffle_rng
-        self._order: npt.NDArray[np.int64] = np.arange(len(self._corners), dtype=np.int64)
+        if epoch_samples is not None and not 1 <= epoch_samples <= len(self._corners):
+            raise ValueError(f"{epoch_samples} samples an epoch out of {len(self._corners)}")
+        self._epoch_samples = len(self._corners) if epoch_samples is None else epoch_samples
+        self._order: npt.NDArray[np.int64] = np.arange(self._epoch_samples, dtype=np.int64)
         if multiple_of < 1 or batch_size % multiple_of:
             raise ValueError(f"the batch size {batch_size} is not a multiple of {multiple_of}")
         self._multiple_of = multiple_of
@@ -202,10 +206,16 @@ class PatchDataset:
 
     @property
     def samples(self) -> int:
+        """The samples of one epoch: all the centres, or ``epoch_samples`` of them."""
+        return self._epoch_samples
+
+    @property
+    def pool(self) -> int:
+        """All the centres an epoch's samples are drawn from."""
         return len(self._corners)
 
     def __len__(self) -> int:
-        return math.ceil(len(self._corners) / self._batch_size)
+        return math.ceil(self._epoch_samples / self._batch_size)
 
     @property
     def batch_size(self) -> int:
@@ -227,20 +237,25 @@ class PatchDataset:
 
     @property
     def order(self) -> npt.NDArray[np.int64]:
-        """The current order of the samples (a permutation of ``range(samples)``)."""
+        """The current epoch's samples in order: indices of ``samples`` of the ``pool`` centres."""
         return self._order
 
     def shuffle(self) -> None:
-        """Draw a new order from ``shuffle_rng`` (nothing without one)."""
+        """Draw a new order from ``shuffle_rng`` (nothing without one): a permutation of all the
+        centres, or with ``epoch_samples`` that many of them, drawn without replacement, in
+        random order (a new set of patches every epoch, as Paco_classifier's generator draws)."""
         if self._rng is not None:
             # A new array rather than an in-place shuffle: Keras may still be prefetching
             # from the previous order in another thread.
-            self._order = self._rng.permutation(len(self._corners))
+            if self._epoch_samples == len(self._corners):
+                self._order = self._rng.permutation(len(self._corners))
+            else:
+                self._order = self._rng.choice(len(self._corners), self._epoch_samples, replace=False)
 
     def remaining(self, order: npt.NDArray[np.int64], start: int) -> RemainingBatches:
         """The batches of an epoch with ``order`` from its ``start``-th sample on (never reshuffled)."""
         order = np.asarray(order, dtype=np.int64)
-        if order.shape != (self.samples,) or not 0 <= start < self.samples:
+        if order.shape != (self.samples,) or not 0 <= start < self.samples or order.max() >= self.pool:
             raise ValueError(f"cannot continue an epoch of {self.samples} samples at {start} with order {order.shape}")
         return RemainingBatches(self, order[start:])
 
@@ -279,17 +294,17 @@ class PatchDataset:
         return patches, masks
 
     def layer_pixels(self, chunk: int = 256) -> tuple[int, int]:
-        """``(pixels of the layer, all pixels)`` over every sample's patch (each sample once, no top-up)."""
+        """``(pixels of the layer, all pixels)`` over every centre's patch (each once, no top-up)."""
         height, width = self._patch_shape
         layer = 0
-        for start in range(0, self.samples, chunk):
-            chosen = np.arange(start, min(start + chunk, self.samples))
+        for start in range(0, self.pool, chunk):
+            chosen = np.arange(start, min(start + chunk, self.pool))
             rows, cols = self._corners[chosen, 0], self._corners[chosen, 1]
             pages = np.zeros(len(chosen), dtype=np.int64) if self._pages is None else self._pages[chosen]
             for page in np.unique(pages).tolist():  # the masks only: no image patch is cut
                 where = pages == page
                 layer += int(np.count_nonzero(self._masks[page][rows[where], cols[where]]))
-        return layer, self.samples * height * width
+        return layer, self.pool * height * width
 
     def batch(self, chosen: npt.NDArray[np.int64]) -> Batch:
         """The ``(x, y)`` batch of the samples ``chosen``, ``(x, y, w)`` with several replicas."""

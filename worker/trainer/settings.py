@@ -13,6 +13,8 @@ PATCH_MULTIPLE = 4
 STRATEGY_CHOICES = ("auto", "mirrored", "default")
 #: Values of ``TrainSettings.patch_anchor`` (see :func:`worker.trainer.dataset.anchor_offset`).
 PATCH_ANCHOR_CHOICES = ("centre", "corner")
+#: Values of ``TrainSettings.patch_draws`` (see :func:`worker.trainer.train.draw_factor`).
+PATCH_DRAWS_CHOICES = ("once", "every_epoch")
 #: Values of ``TrainSettings.output_start`` (see :func:`worker.trainer.train.start_output`).
 OUTPUT_START_CHOICES = ("keras", "prior", "opposed")
 #: Values of ``TrainSettings.mixed_precision``.
@@ -42,7 +44,9 @@ class TrainSettings:
     :mod:`worker.trainer.distribute`. ``output_start`` is how a new model's output layer starts
     (:func:`worker.trainer.train.start_output`): ``"keras"`` as Keras draws it (the original
     trainer's), ``"prior"`` its bias at the layer's log-odds, ``"opposed"`` (the default) that bias
-    and its two weights of opposite signs.
+    and its two weights of opposite signs. ``patch_draws`` is ``"once"`` (the original HPC trainer's:
+    every epoch trains on the same patches) or ``"every_epoch"`` (Paco_classifier's: each epoch
+    trains on a new draw of as many patches; :func:`worker.trainer.train.draw_factor`).
     """
 
     epochs: int
@@ -59,6 +63,7 @@ class TrainSettings:
     patch_anchor: str = "centre"
     learning_rate: float = 1e-4
     output_start: str = "opposed"
+    patch_draws: str = "once"
 
     def __post_init__(self) -> None:
         if self.epochs < 1:
@@ -96,6 +101,10 @@ class TrainSettings:
         if self.patch_anchor not in PATCH_ANCHOR_CHOICES:
             raise TrainingInputError(
                 f"patch_anchor must be one of {', '.join(PATCH_ANCHOR_CHOICES)}, not {self.patch_anchor!r}"
+            )
+        if self.patch_draws not in PATCH_DRAWS_CHOICES:
+            raise TrainingInputError(
+                f"patch_draws must be one of {', '.join(PATCH_DRAWS_CHOICES)}, not {self.patch_draws!r}"
             )
         if self.output_start not in OUTPUT_START_CHOICES:
             raise TrainingInputError(

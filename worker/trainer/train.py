@@ -206,9 +206,10 @@ RUN_SETTINGS = (
     "include_optimizer",
     "patch_anchor",
     "learning_rate",
+    "patch_draws",
 )
 #: What a checkpoint written before a setting was in :data:`RUN_SETTINGS` trained with.
-SETTINGS_BEFORE_RECORDED = {"patch_anchor": "centre", "learning_rate": 1e-4}
+SETTINGS_BEFORE_RECORDED = {"patch_anchor": "centre", "learning_rate": 1e-4, "patch_draws": "once"}
 
 
 def page_identity(page: Page) -> dict[str, Any]:
@@ -549,6 +550,10 @@ def train_label(
     train_centres, validation_centres = split_validation(centres, settings.validation_split)
     if len(train_centres) == 0 or len(validation_centres) == 0:
         check_samples({label: centres}, settings)
+    # With patch_draws="every_epoch": about one draw's worth of patches validates and trains per epoch.
+    draws = max(1, min(draw_factor(settings), round(len(centres) / max(1, settings.max_samples_per_label))))
+    validation_centres = validation_centres[::draws]
+    epoch_samples = max(1, len(train_centres) // draws) if draws > 1 else None
     ph, pw = settings.patch_height, settings.patch_width
     plan = plan_training(settings)  # the GPUs that share settings.batch_size evenly
     models = models or ModelReuse()
@@ -562,7 +567,7 @@ def train_label(
     anchor = settings.patch_anchor
     train_data = PatchDataset(
         images, masks, train_centres, ph, pw, batch, shuffle_rng=shuffle_rng, multiple_of=replicas, bgr=bgr,
-        anchor=anchor,
+        anchor=anchor, epoch_samples=epoch_samples,
     )  # fmt: skip
     validation_data = PatchDataset(
         images, masks, validation_centres, ph, pw, batch, multiple_of=replicas, weigh_for="accuracy", bgr=bgr,
@@ -1007,8 +1012,23 @@ def kept_trained_on(saved_run: Mapping[str, Any], now: Mapping[str, str], where:
     return {"backend": saved["backend"], "mixed_precision": precision}
 
 
+def draw_factor(settings: TrainSettings) -> int:
+    """How many epochs' worth of patches a layer's centres hold: 1 with ``patch_draws="once"``,
+    ``epochs`` with ``"every_epoch"``.
+
+    With ``"every_epoch"`` the sampler draws ``epochs`` times the samples per label at once (the
+    original's random walk with a cap that many times larger, so the centres spread over the whole
+    selection as before); :func:`train_label` validates on every ``epochs``-th of the held-out part
+    and trains each epoch on as many of the rest as one draw would give, chosen anew every epoch
+    (:class:`~worker.trainer.dataset.PatchDataset`'s ``epoch_samples``). Over a run the model sees
+    up to ``epochs`` times as many different patches, as Paco_classifier's generator gives it, for
+    the same steps."""
+    return settings.epochs if settings.patch_draws == "every_epoch" else 1
+
+
 def _sample(pages: Sequence[Page], settings: TrainSettings, seed: int | None) -> dict[str, Centres]:
-    ph, pw, cap = settings.patch_height, settings.patch_width, settings.max_samples_per_label
+    ph, pw = settings.patch_height, settings.patch_width
+    cap = settings.max_samples_per_label * draw_factor(settings)
     if len(pages) == 1:
         return run_centres(pages[0].masks, ph, pw, cap, seed)
     return run_pages_centres([page.masks for page in pages], ph, pw, cap, seed)
