@@ -176,6 +176,8 @@ def _train_layer(
     return result, events
 
 
+#: The sampler the frozen models were found with (the defaults until 0.4.0).
+AS_IT_WAS: dict[str, Any] = {"patch_anchor": "centre", "patch_draws": "once"}
 #: The frozen model's best val_accuracy: the validation's background share, at every epoch.
 FROZEN_VAL_ACCURACY = 0.8294
 
@@ -186,7 +188,7 @@ def test_the_frozen_background_of_seed_3_is_reproduced_as_the_trainer_was(
 ) -> None:
     """The trainer as it was (Keras' zero output bias, no fresh start): every epoch marks every pixel
     as background, with the benchmark's figure."""
-    result, events = _train_layer(tmp_path, monkeypatch, fresh_starts=0, output_start="keras")
+    result, events = _train_layer(tmp_path, monkeypatch, fresh_starts=0, **AS_IT_WAS, output_start="keras")
     assert events == []
     assert result.one_class == ALL_LAYER  # the background layer marks every pixel as background
     assert result.history["val_accuracy"] == pytest.approx([FROZEN_VAL_ACCURACY] * 2, abs=5e-5)
@@ -200,7 +202,7 @@ def test_the_frozen_background_of_seed_3_learns_with_the_trainers_defaults(
     fresh starts on): after 2 epochs its model tells the ink from the parchment, its val_accuracy
     above the frozen 0.8294 by far more than the 0.5 / 32 768 of a pixel (mutation caught: the
     output bias left at zero with fresh starts off, which is the test above)."""
-    result, _ = _train_layer(tmp_path, monkeypatch, fresh_starts=2)
+    result, _ = _train_layer(tmp_path, monkeypatch, fresh_starts=2, **AS_IT_WAS)
     assert result.one_class is None
     assert result.best_val_accuracy > FROZEN_VAL_ACCURACY + 0.03
 
@@ -212,7 +214,7 @@ def test_a_first_epoch_no_better_than_the_constant_answer_starts_again(
     """The guard alone (zero output bias, as the frozen run): the first epoch's val_loss is above the
     0.6931 of answering 0.5 everywhere, so the epoch is rejected and the layer starts again from new
     weights; the rejected epoch is not counted (mutation caught: no FirstEpochGuard in the callbacks)."""
-    result, events = _train_layer(tmp_path, monkeypatch, fresh_starts=2, output_start="keras")
+    result, events = _train_layer(tmp_path, monkeypatch, fresh_starts=2, **AS_IT_WAS, output_start="keras")
     assert events and events[0]["event"] == "fresh_start" and events[0]["fresh_start"] == 1
     assert events[0]["answer"] == ALL_LAYER
     assert events[0]["start_loss"] == pytest.approx(0.6931, abs=1e-4)
@@ -236,8 +238,9 @@ def test_the_silent_staff_lines_of_seed_2_are_reproduced_as_the_trainer_was(
     every epoch. Its loss fell all the same (0.51 to 0.36 over 10 epochs): both ReLU units learned to
     fire on the other pixels with negative weights, so the staff lines sit at the bias's probability."""
     result, events = _train_layer(
-        tmp_path, monkeypatch, fresh_starts=2, seed=SILENT_SEED, layer=STAFF_LINES, epochs=3, output_start="prior"
-    )
+        tmp_path, monkeypatch, fresh_starts=2, seed=SILENT_SEED, layer=STAFF_LINES, epochs=3, **AS_IT_WAS,
+        output_start="prior",
+    )  # fmt: skip
     assert [e["answer"] for e in events] == [ALL_NON_LAYER, ALL_NON_LAYER]
     assert result.one_class == ALL_NON_LAYER
     assert result.history["val_accuracy"] == pytest.approx([SILENT_VAL_ACCURACY] * 3, abs=5e-5)
@@ -251,7 +254,9 @@ def test_the_silent_staff_lines_of_seed_2_learn_with_opposed_output_weights(
     """The same layer, seeds and samples, 10 epochs, with today's defaults (the output's two weights of
     opposite signs): its model marks about the staff lines' share and scores far above the frozen
     0.7559 (mutation caught: ``output_start="prior"``, the test above, whose every epoch marks nothing)."""
-    result, _ = _train_layer(tmp_path, monkeypatch, fresh_starts=2, seed=SILENT_SEED, layer=STAFF_LINES, epochs=10)
+    result, _ = _train_layer(
+        tmp_path, monkeypatch, fresh_starts=2, seed=SILENT_SEED, layer=STAFF_LINES, epochs=10, **AS_IT_WAS
+    )
     assert result.one_class is None
     assert result.best_val_accuracy > SILENT_VAL_ACCURACY + 0.15
     share = result.history["val_predicted_share"][result.best_epoch - 1]

@@ -251,6 +251,9 @@ def test_an_epoch_of_a_larger_pool_trains_a_new_draw_of_that_many_patches() -> N
     assert len(set(orders)) == 3 and len(seen) > 10
     whole = PatchDataset(page.image, mask, pool, PATCH, PATCH, 4)
     assert data.layer_pixels() == whole.layer_pixels()
+    # The estimate over a few patches spread over the pool: centres 0, 13, 26 and 39.
+    spread = PatchDataset(page.image, mask, pool[[0, 13, 26, 39]], PATCH, PATCH, 4)
+    assert data.layer_pixels(most=4) == spread.layer_pixels() != whole.layer_pixels()
     with pytest.raises(ValueError, match="41 samples an epoch out of 40"):
         PatchDataset(page.image, mask, pool, PATCH, PATCH, 4, epoch_samples=41)
 

@@ -293,18 +293,23 @@ class PatchDataset:
             masks[where] = self._masks[page][rows[where], cols[where]]
         return patches, masks
 
-    def layer_pixels(self, chunk: int = 256) -> tuple[int, int]:
-        """``(pixels of the layer, all pixels)`` over every centre's patch (each once, no top-up)."""
+    def layer_pixels(self, chunk: int = 256, most: int | None = None) -> tuple[int, int]:
+        """``(pixels of the layer, all pixels)`` over every centre's patch (each once, no top-up), or
+        over ``most`` centres spread evenly over the pool when it holds more (an estimate of the
+        layer's share that costs the same for a pool of 50 epochs' draws as for one)."""
         height, width = self._patch_shape
+        centres = np.arange(self.pool)
+        if most is not None and self.pool > most:
+            centres = np.linspace(0, self.pool - 1, most).round().astype(np.int64)
         layer = 0
-        for start in range(0, self.pool, chunk):
-            chosen = np.arange(start, min(start + chunk, self.pool))
+        for start in range(0, len(centres), chunk):
+            chosen = centres[start : start + chunk]
             rows, cols = self._corners[chosen, 0], self._corners[chosen, 1]
             pages = np.zeros(len(chosen), dtype=np.int64) if self._pages is None else self._pages[chosen]
             for page in np.unique(pages).tolist():  # the masks only: no image patch is cut
                 where = pages == page
                 layer += int(np.count_nonzero(self._masks[page][rows[where], cols[where]]))
-        return layer, self.pool * height * width
+        return layer, len(centres) * height * width
 
     def batch(self, chosen: npt.NDArray[np.int64]) -> Batch:
         """The ``(x, y)`` batch of the samples ``chosen``, ``(x, y, w)`` with several replicas."""

@@ -574,7 +574,9 @@ def train_label(
         anchor=anchor,
     )  # fmt: skip
     layer_pixels, pixels = validation_data.layer_pixels()
-    train_pixels = train_data.layer_pixels()  # once: every fresh start trains on the same patches
+    # Once: every fresh start trains on the same patches. An estimate over at most PRIOR_SAMPLES
+    # patches: a pool of many epochs' draws would take seconds to count at 256 x 256.
+    train_pixels = train_data.layer_pixels(most=PRIOR_SAMPLES)
     fresh_starts = resume.fresh_starts if resume is not None else 0
     while True:
         try:
@@ -1010,6 +1012,10 @@ def kept_trained_on(saved_run: Mapping[str, Any], now: Mapping[str, str], where:
             precision, now["mixed_precision"],
         )  # fmt: skip
     return {"backend": saved["backend"], "mixed_precision": precision}
+
+
+#: The most training patches whose pixels the layer's share (the output's prior) is counted over.
+PRIOR_SAMPLES = 4096
 
 
 def draw_factor(settings: TrainSettings) -> int:
