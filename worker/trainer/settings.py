@@ -44,9 +44,10 @@ class TrainSettings:
     :mod:`worker.trainer.distribute`. ``output_start`` is how a new model's output layer starts
     (:func:`worker.trainer.train.start_output`): ``"keras"`` as Keras draws it (the original
     trainer's), ``"prior"`` its bias at the layer's log-odds, ``"opposed"`` (the default) that bias
-    and its two weights of opposite signs. ``patch_draws`` is ``"once"`` (the original HPC trainer's:
-    every epoch trains on the same patches) or ``"every_epoch"`` (Paco_classifier's: each epoch
-    trains on a new draw of as many patches; :func:`worker.trainer.train.draw_factor`).
+    and its two weights of opposite signs. ``patch_draws`` is ``"every_epoch"`` (the default, as
+    Paco_classifier's generator: each epoch trains on a new draw of as many patches;
+    :func:`worker.trainer.train.draw_factor`) or ``"once"`` (the original HPC trainer's: every epoch
+    trains on the same patches).
     """
 
     epochs: int
@@ -63,7 +64,7 @@ class TrainSettings:
     patch_anchor: str = "centre"
     learning_rate: float = 1e-4
     output_start: str = "opposed"
-    patch_draws: str = "once"
+    patch_draws: str = "every_epoch"
 
     def __post_init__(self) -> None:
         if self.epochs < 1:
