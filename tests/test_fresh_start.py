@@ -261,3 +261,52 @@ def test_the_silent_staff_lines_of_seed_2_learn_with_opposed_output_weights(
     assert result.best_val_accuracy > SILENT_VAL_ACCURACY + 0.15
     share = result.history["val_predicted_share"][result.best_epoch - 1]
     assert 0.5 * (1 - SILENT_VAL_ACCURACY) < share < 1.5 * (1 - SILENT_VAL_ACCURACY)
+
+
+@pytest.mark.training
+def test_a_job_stopped_right_after_a_fresh_start_resumes_the_new_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by the Grid Engine continuation test: a job told to stop just after a fresh start left no
+    checkpoint of it, so every continuation repeated the rejected first epoch, was stopped at the same
+    point, and the request ran out of continuations. The stop now saves the new start (epoch 0, one
+    fresh start counted), and a resumed layer goes on from there (mutation caught: raising without
+    saving, as before, leaves nothing to resume but the rejected start)."""
+    from worker.trainer import TrainingInterrupted
+    from worker.trainer import train as train_module
+    from worker.trainer.checkpoint import generator_from_state
+
+    pages = _bench_pages(tmp_path)
+    settings_fields = {"epochs": 2, "max_samples_per_label": 160, "patch_height": 32, "patch_width": 32,
+                       "batch_size": 16, "patience": 15, "seed": FROZEN_SEED, "mixed_precision": "off",
+                       **AS_IT_WAS, "output_start": "keras"}  # fmt: skip
+    from worker.trainer import TrainSettings
+
+    settings = TrainSettings(**settings_fields)
+    monkeypatch.setattr(train_module, "MAX_FRESH_STARTS", 2)
+    centres = train_module._sample(pages, settings, FROZEN_SEED)
+    label = next(iter(pages[0].masks))
+    shuffle_seed, init_seed = train_module.layer_seeds(FROZEN_SEED, len(pages[0].masks))[0]
+    saved: list[Any] = []
+    events: list[dict[str, Any]] = []
+
+    def save(state: Any) -> Path:
+        saved.append(state)
+        return tmp_path / f"checkpoint-{len(saved)}"
+
+    with pytest.raises(TrainingInterrupted) as stopped:
+        train_module.train_label(
+            pages, label, centres[label], settings, shuffle_rng=np.random.default_rng(shuffle_seed),
+            init_seed=init_seed, on_layer=events.append, save=save, stop_requested=lambda: bool(events),
+        )  # fmt: skip
+    assert [e["event"] for e in events] == ["fresh_start"]
+    assert stopped.value.checkpoint == tmp_path / f"checkpoint-{len(saved)}"
+    state = saved[-1]
+    assert (state.epoch, state.fresh_starts) == (0, 1)
+
+    again: list[dict[str, Any]] = []
+    result = train_module.train_label(
+        pages, label, centres[label], settings, shuffle_rng=generator_from_state(state.rng_state),
+        init_seed=init_seed, on_layer=again.append, resume=state,
+    )  # fmt: skip
+    assert result.fresh_starts >= 1 and result.epochs_run == 2

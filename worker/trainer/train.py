@@ -740,7 +740,13 @@ def _train_attempt(
     left = rest_of_epoch is not None or (first_epoch < settings.epochs and not stopper.stopped)
     if left and stop_requested is not None and stop_requested():  # the latest checkpoint is where we are
         batch_done = resume.batch if resume is not None else 0
-        raise TrainingInterrupted(label, first_epoch + 1, batch_done, len(train_data), None)
+        path = None
+        if resume is None and fresh_starts > 0:
+            # Except after a fresh start: the latest checkpoint is the rejected start's, and a job that
+            # resumed it would repeat the rejected epoch, be stopped here again, and never get further.
+            loop.set_model(model)
+            path = loop.save_now()
+        raise TrainingInterrupted(label, first_epoch + 1, batch_done, len(train_data), path)
     log.info("layer %r: training on %d patches, validating on %d", label, train_samples, validation_samples)
     if resume is not None:
         restore_model(model, plan.strategy, resume)
