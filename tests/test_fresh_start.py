@@ -45,6 +45,8 @@ def test_one_class_is_exactly_the_share_of_one_class_and_nothing_a_pixel_away() 
     assert one_class((pixels - layer - 1) / pixels, layer, pixels) is None
     assert one_class(0.95, layer, pixels) is None
     assert one_class(float("nan"), layer, pixels) is None
+    # Validation patches all of the layer (or none of it): answering one class may be right.
+    assert one_class(1.0, pixels, pixels) is None and one_class(1.0, 0, pixels) is None
 
 
 def test_nearly_one_class_is_less_than_a_tenth_of_either_share() -> None:

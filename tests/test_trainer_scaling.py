@@ -331,7 +331,7 @@ rng = np.random.default_rng(0)
 image = rng.integers(0, 256, (side, side, 3), dtype=np.uint8)  # the same page in both runs
 page = Page(image, {"Everything": np.ones((side, side), bool)})
 settings = TrainSettings(epochs=epochs, patience=epochs, max_samples_per_label=samples, patch_height=64,
-                         patch_width=64, batch_size=16, seed=3, validation_split=split)
+                         patch_width=64, batch_size=16, seed=3, validation_split=split, patch_draws="once")
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 train_page(page, settings, Path(out), on_epoch=steps.append)
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -249,14 +249,14 @@ def one_class(val_accuracy: float, layer_pixels: int, pixels: int, predicted_sha
     class. Returns :data:`ALL_NON_LAYER`, :data:`ALL_LAYER`, :data:`ALMOST_NO_PIXEL`,
     :data:`ALMOST_EVERY_PIXEL` or None (the model tells pixels apart).
     """
-    if pixels <= 0 or not math.isfinite(val_accuracy):
-        return None
+    if not 0 < layer_pixels < pixels or not math.isfinite(val_accuracy):
+        return None  # validation patches all of one class: one answer for every pixel may be right
     half_pixel = 0.5 / pixels
     if abs(val_accuracy - (pixels - layer_pixels) / pixels) < half_pixel:
         return ALL_NON_LAYER
     if abs(val_accuracy - layer_pixels / pixels) < half_pixel:
         return ALL_LAYER
-    if predicted_share is None or not math.isfinite(predicted_share) or not 0 < layer_pixels < pixels:
+    if predicted_share is None or not math.isfinite(predicted_share):
         return None
     share = layer_pixels / pixels
     if predicted_share < NEARLY * share:
@@ -322,8 +322,8 @@ class FirstEpochGuard(keras.callbacks.Callback):  # type: ignore[misc]
         self.enabled = enabled
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
-        if not self.enabled or epoch != 0:
-            return
+        if not self.enabled or epoch != 0 or not 0 < self.layer_pixels < self.pixels:
+            return  # validation patches all of one class: nothing to tell apart
         logs = logs or {}
         loss = float(logs.get("val_loss", math.nan))
         answer = one_class(float(logs.get(MONITOR, math.nan)), self.layer_pixels, self.pixels, epoch_share(logs))
