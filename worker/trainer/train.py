@@ -377,15 +377,8 @@ class _AddMetricSums(keras.callbacks.Callback):  # type: ignore[misc]
         if self.sums is None:
             return
         variables = [v for metric in self.model.metrics for v in metric.variables]
-        if len(variables) != len(self.sums):  # a checkpoint of a trainer with other metrics (0.3.0 and before)
-            log.warning(
-                "the checkpoint holds %d running metric sums and this trainer has %d: the resumed epoch's "
-                "loss and accuracy cover only its remaining batches",
-                len(self.sums), len(variables),
-            )  # fmt: skip
-        else:
-            for variable, value in zip(variables, self.sums, strict=True):
-                variable.assign_add(value)
+        for variable, value in zip(variables, self.sums, strict=True):
+            variable.assign_add(value)
         self.sums = None
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
@@ -551,7 +544,7 @@ def train_label(
     if len(train_centres) == 0 or len(validation_centres) == 0:
         check_samples({label: centres}, settings)
     # With patch_draws="every_epoch": about one draw's worth of patches validates and trains per epoch.
-    draws = max(1, min(draw_factor(settings), round(len(centres) / max(1, settings.max_samples_per_label))))
+    draws = max(1, min(draw_factor(settings), round(len(centres) / settings.max_samples_per_label)))
     validation_centres = validation_centres[::draws]
     epoch_samples = max(1, len(train_centres) // draws) if draws > 1 else None
     ph, pw = settings.patch_height, settings.patch_width
