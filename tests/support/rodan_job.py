@@ -145,8 +145,10 @@ def rodan_env(state: Path, broker_url: str, request_queue: str) -> dict[str, str
     env = {
         **os.environ,
         "HPC_DEV_RODAN_DIR": str(state),
+        # Busy (another session's Rodan): rodan.sh takes a free port. Two test runs at once on one
+        # machine give each its own Redis db with HPC_TEST_RODAN_REDIS_DB.
         "HPC_DEV_RODAN_PORT": "8795",
-        "HPC_DEV_RODAN_REDIS_DB": "12",
+        "HPC_DEV_RODAN_REDIS_DB": os.environ.get("HPC_TEST_RODAN_REDIS_DB", "12"),
         "HPC_RABBITMQ_URL": broker_url,
         "HPC_REQUEST_QUEUE": request_queue,
         **WORKER_SETTINGS,
