@@ -231,7 +231,7 @@ class Intake:
                 rodan_origin=self.config.rodan_base_url,
             )
             record.generation = request.generation.value
-            log.info("request_valid", generation=request.generation.value, layers=len(request.layers))
+            log.info("request_valid", generation=request.generation.value, **request.log_fields())
             if self.active.full():
                 return self._wait_for_room(record)
             token = self._get_token()

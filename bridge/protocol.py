@@ -204,6 +204,16 @@ class JobRequest:
     def reply_keys(self) -> list[str]:
         return [layer.reply_key for layer in self.layers]
 
+    def log_fields(self) -> dict[str, int]:
+        """What the ``request_valid`` log event says of the request's size: ``layers`` for the older
+        generations; for generation 3, whose layers are inside the sample zips, ``sample_zips`` (the
+        Sample inputs and the Multi-Sample Zip) and ``starting_models``, never a ``layers`` of 0."""
+        if self.generation is not Generation.RODAN3:
+            return {"layers": len(self.layers)}
+        roles = list(self.roles.values())
+        zips = roles.count(InputRole.SAMPLE) + roles.count(InputRole.MULTI_SAMPLE)
+        return {"sample_zips": zips, "starting_models": roles.count(InputRole.MODEL)}
+
 
 def parse_duration_minutes(text: str) -> int:
     """``D-HH:MM`` -> minutes. Raises InvalidRequest naming the setting."""

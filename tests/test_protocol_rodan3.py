@@ -56,6 +56,8 @@ def test_samples_and_starting_models_are_generation_3_with_roles_in_the_workers_
     ]
     assert req.inputs == inputs
     assert req.layers == () and req.reply_keys == []  # only the worker knows them, from the zips
+    # request_valid's fields: no "layers": 0 (catches a log_fields that counts req.layers here)
+    assert req.log_fields() == {"sample_zips": 3, "starting_models": 3}
 
 
 @pytest.mark.parametrize(
@@ -88,6 +90,7 @@ def test_older_generations_get_their_roles_and_keep_their_layers() -> None:
     assert req.generation is Generation.OLD and not req.generation.replies_in_parts
     assert set(req.roles.values()) == {InputRole.IMAGE} and set(req.roles) == set(old)
     assert req.reply_keys == ["Background Model", "Music Symbol Model", "Staff Lines Model", "Text Model"]
+    assert req.log_fields() == {"layers": 4}  # request_valid's fields stay as they were for them
 
 
 def test_fast_paco_trainers_defaults_apply() -> None:

@@ -189,6 +189,8 @@ def test_a_rodan3_request_becomes_a_job_whose_78_mb_reply_arrives_in_parts_under
     # Intake: generation 3, each input checked by its first bytes, one job; then the reply marked.
     record = harness.ledger(corr)
     assert record["generation"] == "rodan3" and record["job_id"]
+    (valid,) = harness.log_events("request_valid")  # the Multi-Sample Zip is a sample zip too
+    assert (valid["sample_zips"], valid["starting_models"]) == (3, 2) and "layers" not in valid
     checked = {e["input"]: e["kind"] for e in harness.log_events("input_checked")}
     assert checked == {
         "Sample 1": "zip",
@@ -236,3 +238,13 @@ def test_rodan3_inputs_of_the_wrong_kind_are_answered_at_once_in_parts(
         assert record["state"] == "rejected" and record["generation"] == "rodan3" and not record["job_id"]
     dead = harness.rodan.drain(harness.rodan.queues.dead)
     assert sorted(c or "" for c, _b, _h in dead) == sorted(corr for corr, _q in sent.values())
+    # The log says what a generation 3 request holds, not "layers": 0 (its layers are inside the
+    # zips). Catches a request_valid that logs len(request.layers) for every generation, or that
+    # counts the wrong inputs. The unknown input ("Sample 0") is refused before it is valid.
+    valid = {e["correlation_id"]: e for e in harness.log_events("request_valid")}
+    expected = {"a PNG as a sample": (1, 0), "an empty zip": (2, 0), "a zip as a model": (1, 1)}
+    assert set(valid) == {sent[what][0] for what in expected}
+    for what, (zips, models) in expected.items():
+        event = valid[sent[what][0]]
+        assert event["generation"] == "rodan3" and "layers" not in event, (what, event)
+        assert (event["sample_zips"], event["starting_models"]) == (zips, models), (what, event)
