@@ -550,7 +550,12 @@ def test_member_over_the_limit_by_its_header_is_refused(pages: list[Loose], tmp_
     limit = max(sizes.values()) - 1
     biggest = max(sizes, key=lambda name: sizes[name])
     message = refused(pages[0].zip, tmp_path, ZipLimits(max_member_bytes=limit))
-    assert f"member {biggest!r} unpacks to {sizes[biggest]} bytes (its header says), more than the limit" in message
+    assert (
+        f"member {biggest!r} would unpack to {sizes[biggest]} bytes (its zip header says), more than the limit "
+        f"of {limit} bytes for one file of a sample" in message
+    )
+    # What to do is not "give smaller images" (issue #27): re-export, and which bounds apply.
+    assert "(a zip bomb); export the sample again from Pixel.js" in message and "smaller images" not in message
 
 
 def test_total_unpacked_bytes_are_counted_while_unpacking(pages: list[Loose], tmp_path: Path) -> None:
@@ -601,8 +606,28 @@ def test_zip_bomb_is_counted_while_unpacking_and_stops_at_the_limit(pages: list[
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert "member 'Image.png' takes the samples past the limit of 3000000 bytes unpacked in all" in message
+    assert (
+        "member 'Image.png' takes the samples past the limit of 3000000 bytes unpacked in all (counted while "
+        "unpacking; its zip header said 30000024)" in message
+    )
     assert peak < 8_000_000
+
+
+def test_a_zip_bomb_is_refused_by_its_header_and_named_a_likely_zip_bomb(pages: list[Loose], tmp_path: Path) -> None:
+    """20 MB of zeros deflated to a few kB, the header telling the truth, over a 3 MB limit for one
+    file: refused before unpacking, the declared size and the limit both named, and the advice is to
+    export the sample again (catches the old "give smaller images", and a check that trusts nothing
+    but the compressed size)."""
+    entries = replaced(good_entries(pages[0]), IMAGE_FILE, IMAGE_FILE, bomb(20_000_000))
+    path = write_zip(tmp_path / "bomb.zip", entries, method=zipfile.ZIP_DEFLATED)
+    assert path.stat().st_size < 200_000
+    message = refused(path, tmp_path, ZipLimits(max_member_bytes=3_000_000))
+    assert (
+        "Sample 1: member 'Image.png' would unpack to 20000024 bytes (its zip header says), more than the limit "
+        "of 3000000 bytes for one file of a sample; " in message
+    )
+    assert "(a zip bomb); export the sample again from Pixel.js and upload that zip" in message
+    assert "HPC_MAX_INPUT_PIXELS" in message and "smaller images" not in message
 
 
 def test_copy_stops_one_chunk_past_the_limit_of_an_endless_stream() -> None:

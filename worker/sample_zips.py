@@ -85,6 +85,14 @@ _LAYOUT = (
     "'rgba PNG - Layer 1.png' ... 'rgba PNG - Layer N.png', as Rodan's Pixel.js job writes them"
 )
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+#: What to do about a member that unpacks past ZipLimits.max_member_bytes (a fixed bound of the worker,
+#: not a setting): far more often a damaged zip or a zip bomb than a page.
+_TOO_LARGE_FIX = (
+    "a page exported by Pixel.js is not expected to be that large: the zip is damaged, or was made to fill "
+    "the node's disk (a zip bomb); export the sample again from Pixel.js and upload that zip. If the page "
+    "really is that large, use a smaller scan of it: this bound on one file is fixed, and the operator's "
+    "HPC_MAX_INPUT_PIXELS bounds each page's pixels as well"
+)
 _ZIP_SIGNATURES = (b"PK\x03\x04", b"PK\x05\x06", b"PK\x07\x08", b"PK\x01\x02")
 _ARCHIVE_SUFFIXES = (".zip", ".7z", ".rar", ".tar", ".gz", ".tgz", ".bz2", ".xz", ".zst", ".jar")
 _ACCEPTED_COMPRESSION = {zipfile.ZIP_STORED: "stored", zipfile.ZIP_DEFLATED: "deflate"}
@@ -356,14 +364,17 @@ def _member_problem(info: zipfile.ZipInfo, max_member_bytes: int) -> str | None:
     if info.compress_type not in _ACCEPTED_COMPRESSION:
         return f"is compressed with method {info.compress_type}, which is not accepted (only stored or deflate)"
     if info.file_size > max_member_bytes:
-        return f"unpacks to {info.file_size} bytes (its header says), more than the limit of {max_member_bytes}"
+        return (
+            f"would unpack to {info.file_size} bytes (its zip header says), more than the limit of "
+            f"{max_member_bytes} bytes for one file of a sample"
+        )
     return None
 
 
 _FIXES = {
     "is encrypted": "zip the files again without a password",
     "is compressed with method": "zip the files again with the usual (deflate) compression or none",
-    "unpacks to": "give smaller images",
+    "would unpack to": _TOO_LARGE_FIX,
     "is an archive": "nested archives are not accepted: put the sample's files into the zip itself",
     "is a zip archive": "nested archives are not accepted: put the sample's PNG files into the zip itself",
 }
@@ -541,7 +552,7 @@ def _unpack(sample: _Sample, file: str, target: Path, budget: _Budget, max_pixel
                         sample.source,
                         f"member {member!r} is {width}x{height} pixels, more than the limit of {max_pixels} "
                         "pixels per image (HPC_MAX_INPUT_PIXELS)",
-                        "give smaller images",
+                        "use a smaller scan of the page, or ask the operator to raise HPC_MAX_INPUT_PIXELS",
                     )
             handle.write(head)
             copied = _copy_bounded(source, handle, limit - len(head)) if len(head) <= limit else None
@@ -550,11 +561,23 @@ def _unpack(sample: _Sample, file: str, target: Path, budget: _Budget, max_pixel
     except (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, RuntimeError, NotImplementedError) as exc:
         raise _fail(sample.source, f"member {member!r} is damaged ({exc})", damaged) from exc
     if copied is None:
+        declared = f"its zip header said {info.file_size}"
         if limit == limits.max_member_bytes:
-            problem = f"member {member!r} unpacks to more than the limit of {limits.max_member_bytes} bytes"
-        else:
-            problem = f"member {member!r} takes the samples past the limit of {budget.total} bytes unpacked in all"
-        raise _fail(sample.source, problem, "give smaller or fewer samples")
+            problem = (
+                f"member {member!r} unpacked past the limit of {limits.max_member_bytes} bytes for one file of a "
+                f"sample (counted while unpacking; {declared})"
+            )
+            raise _fail(sample.source, problem, _TOO_LARGE_FIX)
+        problem = (
+            f"member {member!r} takes the samples past the limit of {budget.total} bytes unpacked in all "
+            f"(counted while unpacking; {declared})"
+        )
+        raise _fail(
+            sample.source,
+            problem,
+            "give fewer samples in one request; if each sample should be far smaller, the zips may be damaged "
+            "or zip bombs: export them again from Pixel.js",
+        )
     budget.left -= len(head) + copied
 
 
