@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import json
 import logging
 import os
@@ -23,7 +24,7 @@ import tempfile
 import time
 import urllib.parse
 import zipfile
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 import pika
 import pika.exceptions
@@ -40,6 +41,22 @@ PART_HEADER = "x-hpc-part"
 PARTS_HEADER = "x-hpc-parts"
 RABBITMQ_CONSUMER_TIMEOUT_S = 1800  # RabbitMQ's default consumer_timeout: a retry waits less
 DAY_S = 86400.0
+RUNJOB_HEADER = "x-rodan-runjob"
+#: The longest wait between two polls: below RabbitMQ's consumer_timeout (a retried call's message is
+#: held unacknowledged by the worker until it is due), with 5 minutes to spare.
+MAX_POLL_S = RABBITMQ_CONSUMER_TIMEOUT_S - 300
+#: A waiting run polls again after this share of the time it has waited so far (at least
+#: HPC_POLL_SECONDS, at most its cap): a reply is picked up at most ~10 % after it came.
+POLL_GROWTH = 0.1
+#: The cap of a run's interval is this share of its 'Maximum time' (a 1-hour run polls at least every
+#: 2.5 minutes, a run of 10 hours or more every 25 minutes).
+POLL_CAP_SHARE = 1.0 / 24
+#: How often a poll looks through every run's state for runs to remove (a file's age says when it last did).
+SWEEP_EVERY_S = 300.0
+#: How long the record of a RunJob's last attempt is kept after that attempt began: a Retry within
+#: it gets a new correlation id (the bridge answers each correlation id once).
+ATTEMPT_RECORD_KEEP_S = 30 * DAY_S
+ATTEMPTS_FOLDER = ".attempts"
 _TIME_LIMIT = re.compile(r"^(\d{1,3})-(\d{1,2}):(\d{2})$")
 _URL_USERINFO = re.compile(r"(amqps?://)[^@/\s]*@", re.IGNORECASE)
 
@@ -69,7 +86,7 @@ class RelayConfig:
         state_dir: str,
         ca_file: str | None = None,
         request_queue: str = "hpc-jobs",
-        poll_seconds: int = 120,
+        poll_seconds: int = 30,
         max_continuations: int = 5,
         max_pending_s: float = 3 * DAY_S,
         slack_s: float = DAY_S,
@@ -87,9 +104,9 @@ class RelayConfig:
                 "HPC_RABBITMQ_CA_FILE is set but HPC_RABBITMQ_URL is not amqps://",
                 "A CA file is only used for TLS; use an amqps:// URL or unset HPC_RABBITMQ_CA_FILE.",
             )
-        if not 1 <= poll_seconds < RABBITMQ_CONSUMER_TIMEOUT_S:
+        if not 1 <= poll_seconds <= MAX_POLL_S:
             raise HPCJobError(
-                f"HPC_POLL_SECONDS must be between 1 and {RABBITMQ_CONSUMER_TIMEOUT_S - 1}",
+                f"HPC_POLL_SECONDS must be between 1 and {MAX_POLL_S}",
                 "A Celery retry waits unacknowledged in the worker; RabbitMQ closes a channel that "
                 "holds a delivery for longer than its consumer_timeout (30 minutes by default).",
             )
@@ -137,7 +154,7 @@ def config_from_env(env: Mapping[str, str], media_root: str) -> RelayConfig:
         state_dir=env.get("HPC_STATE_DIR", "").strip() or os.path.join(media_root, "hpc_paco_trainer"),
         ca_file=env.get("HPC_RABBITMQ_CA_FILE", "").strip() or None,
         request_queue=env.get("HPC_REQUEST_QUEUE", "").strip() or "hpc-jobs",
-        poll_seconds=int(number("HPC_POLL_SECONDS", 120)),
+        poll_seconds=int(number("HPC_POLL_SECONDS", 30)),
         max_continuations=int(number("HPC_BRIDGE_MAX_CONTINUATIONS", 5)),
         max_pending_s=number("HPC_BRIDGE_MAX_PENDING", 3 * DAY_S),
         slack_s=number("HPC_SILENCE_SLACK", DAY_S),
@@ -307,16 +324,16 @@ def _write_atomic(path: str, data: bytes) -> None:
 
 
 class RunState:
-    """What survives between polls (and worker restarts): ``<state_dir>/<correlation_id>/``
-    holds ``state.json`` (first-publish time, broker outage, outcome) and ``part-N`` (the reply
-    parts received and acknowledged)."""
+    """What survives between polls (and worker restarts): ``<state_dir>/<RunJob uuid>/`` holds
+    ``state.json`` (the attempt: its Celery task id, number and correlation id; first-publish time,
+    broker outage, outcome) and ``part-N`` (the reply parts of that attempt received and acknowledged)."""
 
     _SAFE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
-    def __init__(self, state_dir: str, correlation_id: str) -> None:
-        if not self._SAFE.match(correlation_id):
-            raise HPCJobError("Unusable correlation id", repr(correlation_id))
-        self.folder = os.path.join(state_dir, correlation_id)
+    def __init__(self, state_dir: str, runjob_id: str) -> None:
+        if not self._SAFE.match(runjob_id):
+            raise HPCJobError("Unusable RunJob id", repr(runjob_id))
+        self.folder = os.path.join(state_dir, runjob_id)
         os.makedirs(self.folder, mode=0o700, exist_ok=True)
         self.path = os.path.join(self.folder, "state.json")
         self.data: dict[str, Any] = {}
@@ -330,6 +347,14 @@ class RunState:
     def update(self, **values: Any) -> None:
         self.data.update(values)
         _write_atomic(self.path, json.dumps(self.data, sort_keys=True).encode("utf-8"))
+
+    def reset(self, **values: Any) -> None:
+        """Forget the previous attempt: its parts go, ``state.json`` holds ``values`` only."""
+        for name in os.listdir(self.folder):
+            if name.startswith("part-"):
+                os.unlink(os.path.join(self.folder, name))
+        self.data = {}
+        self.update(**values)
 
     def part_path(self, index: int) -> str:
         return os.path.join(self.folder, f"part-{index}")
@@ -365,14 +390,23 @@ class RunState:
         return b"".join(chunks)
 
 
-def sweep_state(state_dir: str, now: float, keep_s: float = DAY_S) -> list[str]:
+def sweep_state(
+    state_dir: str,
+    now: float,
+    keep_s: float = DAY_S,
+    over: Callable[[list[str]], Collection[str]] | None = None,
+) -> list[str]:
     """Remove the state of runs that ended more than ``keep_s`` ago, whose reply queue has
-    expired, or that never published in a week; returns the correlation ids removed."""
+    expired, that never published in a week, or (``over``: given the RunJob ids of the runs that
+    have not ended, it returns those whose RunJob is cancelled, failed, finished or gone) that Rodan
+    ended; returns the correlation ids removed (their reply queues may still be there: the caller
+    deletes them). Records of attempts older than ``ATTEMPT_RECORD_KEEP_S`` go too."""
     removed: list[str] = []
     try:
         names = os.listdir(state_dir)
     except FileNotFoundError:
         return removed
+    open_runs: dict[str, dict[str, Any]] = {}
     for name in names:
         path = os.path.join(state_dir, name, "state.json")
         try:
@@ -389,9 +423,278 @@ def sweep_state(state_dir: str, now: float, keep_s: float = DAY_S) -> list[str]:
             or (expires is not None and now > float(expires))
             or (never_published and now - float(created) > 7 * DAY_S)
         ):
-            shutil.rmtree(os.path.join(state_dir, name), ignore_errors=True)
-            removed.append(name)
+            removed.append(_remove_run(state_dir, name, data, now))
+        elif ended is None:
+            open_runs[name] = data
+    if over is not None and open_runs:
+        for name in sorted(set(over(sorted(open_runs))) & set(open_runs)):
+            removed.append(_remove_run(state_dir, name, open_runs[name], now))
+            LOG.info("RunJob %s ended in Rodan: the state of its HPC run %s was removed", name, removed[-1])
+    _sweep_attempt_records(state_dir, now)
     return removed
+
+
+def _remove_run(state_dir: str, name: str, data: Mapping[str, Any], now: float) -> str:
+    """Remove one run's folder, keeping the record of its attempt; returns its correlation id."""
+    if data.get("published_at") is not None or data.get("task_id") is not None:
+        write_attempt_record(state_dir, name, int(data.get("attempt") or 1), data.get("task_id"), now)
+    shutil.rmtree(os.path.join(state_dir, name), ignore_errors=True)
+    return str(data.get("correlation_id") or name)
+
+
+def maybe_sweep(state_dir: str, now: float, over: Callable[[list[str]], Collection[str]] | None = None) -> list[str]:
+    """:func:`sweep_state` at most once every ``SWEEP_EVERY_S`` for the whole state directory (the
+    time of the last sweep is kept in ``.attempts/swept``), so that a poll stays cheap."""
+    marker = os.path.join(state_dir, ATTEMPTS_FOLDER, "swept")
+    try:
+        with open(marker, "rb") as handle:
+            last = float(handle.read().decode("ascii") or 0)
+    except (OSError, ValueError):
+        last = None
+    if last is not None and 0 <= now - last < SWEEP_EVERY_S:
+        return []
+    os.makedirs(os.path.dirname(marker), mode=0o700, exist_ok=True)
+    _write_atomic(marker, repr(now).encode("ascii"))
+    return sweep_state(state_dir, now, over=over)
+
+
+# --------------------------------------------------------------------------- attempts
+
+
+class AttemptOver(Exception):
+    """This call belongs to an attempt whose state was removed (Rodan cancelled the run, or a
+    newer attempt of the RunJob took over): it must end without touching anything."""
+
+
+def correlation_id_for(runjob_id: str, attempt: int) -> str:
+    """Attempt 1 of a RunJob is its uuid (as 0.4.0 had it); attempt n >= 2 is ``<uuid>.<n>``."""
+    return runjob_id if attempt <= 1 else f"{runjob_id}.{attempt}"
+
+
+def _attempt_record_path(state_dir: str, runjob_id: str) -> str:
+    return os.path.join(state_dir, ATTEMPTS_FOLDER, runjob_id)
+
+
+def read_attempt_record(state_dir: str, runjob_id: str) -> dict[str, Any] | None:
+    """The last attempt of a RunJob (``attempt``, ``task_id``, ``at``), kept apart from its state
+    folder so that a Retry after the folder was removed still gets a new correlation id."""
+    try:
+        with open(_attempt_record_path(state_dir, runjob_id), "rb") as handle:
+            data = json.loads(handle.read().decode("utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("attempt"), int) else None
+
+
+def write_attempt_record(state_dir: str, runjob_id: str, attempt: int, task_id: str | None, now: float) -> None:
+    path = _attempt_record_path(state_dir, runjob_id)
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    _write_atomic(path, json.dumps({"attempt": attempt, "task_id": task_id, "at": now}).encode("utf-8"))
+
+
+def _sweep_attempt_records(state_dir: str, now: float) -> None:
+    folder = os.path.join(state_dir, ATTEMPTS_FOLDER)
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return
+    for name in names:
+        if name == "swept" or name.startswith(".tmp-"):
+            continue
+        record = read_attempt_record(state_dir, name)
+        if record is not None and now - float(record.get("at") or 0) > ATTEMPT_RECORD_KEEP_S:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(folder, name))
+
+
+def begin_attempt(state_dir: str, runjob_id: str, task_id: str | None, now: float) -> RunState:
+    """The state of this call's attempt. A call whose Celery task id differs from the one the state
+    recorded, for a state that published (or failed, or ended; or 0.4.0's state, without a task id,
+    that failed), starts the next attempt: the previous attempt's parts go and its correlation id is
+    queued for deletion of its reply queue (``delete_queues``). The same task id (Celery's retry, a
+    redelivery) is the same attempt. Raises :class:`AttemptOver` for a call of an attempt whose
+    state was removed."""
+    state_file = os.path.join(state_dir, runjob_id, "state.json")
+    existed = os.path.exists(state_file)
+    record = read_attempt_record(state_dir, runjob_id)
+    if not existed:
+        if record is not None and task_id is not None and record.get("task_id") == task_id:
+            raise AttemptOver(f"the state of RunJob {runjob_id}'s attempt {record['attempt']} was removed")
+        attempt = int(record["attempt"]) + 1 if record is not None else 1
+        state = RunState(state_dir, runjob_id)
+        stale = [correlation_id_for(runjob_id, int(record["attempt"]))] if record is not None else []
+        state.update(
+            created_at=now,
+            task_id=task_id,
+            attempt=attempt,
+            correlation_id=correlation_id_for(runjob_id, attempt),
+            delete_queues=stale,
+        )
+        write_attempt_record(state_dir, runjob_id, attempt, task_id, now)
+        return state
+    state = RunState(state_dir, runjob_id)
+    recorded = state.get("task_id")
+    started = state.get("failed") is not None or any(
+        state.get(key) is not None for key in ("published_at", "ended_at", "complete")
+    )
+    if task_id is None or recorded == task_id:
+        if state.get("correlation_id") is None:
+            state.update(attempt=int(state.get("attempt") or 1), correlation_id=runjob_id)
+        return state
+    if (recorded is None and state.get("failed") is None) or (recorded is not None and not started):
+        # 0.4.0's state of a run still waiting (its retries now carry their task id), or an attempt
+        # that never published: the same attempt, now this task's.
+        attempt = int(state.get("attempt") or 1)
+        state.update(task_id=task_id, attempt=attempt, correlation_id=state.get("correlation_id") or runjob_id)
+        write_attempt_record(state_dir, runjob_id, attempt, task_id, now)
+        return state
+    previous = max(int(state.get("attempt") or 1), int(record["attempt"]) if record is not None else 1)
+    old = str(state.get("correlation_id") or runjob_id)
+    attempt = previous + 1
+    state.reset(
+        created_at=now,
+        task_id=task_id,
+        attempt=attempt,
+        correlation_id=correlation_id_for(runjob_id, attempt),
+        delete_queues=sorted({old, *(state.get("delete_queues") or [])}),
+    )
+    write_attempt_record(state_dir, runjob_id, attempt, task_id, now)
+    LOG.info(
+        "RunJob %s runs again (Celery task %s): attempt %d, correlation id %s; attempt %s (%s) is dropped",
+        runjob_id,
+        task_id,
+        attempt,
+        state.get("correlation_id"),
+        previous,
+        old,
+    )
+    return state
+
+
+def end_attempt(
+    config: RelayConfig, runjob_id: str, task_id: str | None, reason: str, connect: Connect | None = None
+) -> bool:
+    """Rodan ended this attempt (Cancel, a newer attempt, a deleted RunJob): delete its reply
+    queue and remove its state folder (the attempt record stays), if the state is this attempt's
+    (or has no task id: 0.4.0's); returns whether it was. The broker is tried once, briefly; a
+    queue that cannot be deleted now expires by its ``x-expires``."""
+    state_file = os.path.join(config.state_dir, runjob_id, "state.json")
+    if not os.path.exists(state_file):
+        LOG.info("HPC poll of RunJob %s (Celery task %s) ends: %s; nothing left to remove", runjob_id, task_id, reason)
+        return False
+    state = RunState(config.state_dir, runjob_id)
+    recorded = state.get("task_id")
+    if task_id is not None and recorded is not None and recorded != task_id:
+        LOG.info(
+            "HPC poll of RunJob %s (Celery task %s) ends: %s; the state is attempt %s's, left alone",
+            runjob_id,
+            task_id,
+            reason,
+            state.get("attempt"),
+        )
+        return False
+    cid = str(state.get("correlation_id") or runjob_id)
+    attempt = int(state.get("attempt") or 1)
+    queues = sorted({cid, *(state.get("delete_queues") or [])})
+    write_attempt_record(config.state_dir, runjob_id, attempt, recorded or task_id, time.time())
+    shutil.rmtree(state.folder, ignore_errors=True)
+    deleted = delete_reply_queues(config, queues, connect)
+    LOG.info(
+        "HPC run %s (RunJob %s, attempt %d) ends: %s; state removed, reply queue %s",
+        cid,
+        runjob_id,
+        attempt,
+        reason,
+        "deleted" if deleted else "left to expire",
+    )
+    return True
+
+
+def delete_reply_queues(config: RelayConfig, correlation_ids: list[str], connect: Connect | None = None) -> bool:
+    """Delete the reply queues of these correlation ids (one short connection attempt); returns
+    whether every deletion went through."""
+    if not correlation_ids:
+        return True
+    try:
+        connection = (connect or _open_once)(config)
+    except Exception as exc:  # any failure: the queues expire by x-expires
+        LOG.warning(
+            "could not reach RabbitMQ to delete reply queues: %s", config.redact(f"{type(exc).__name__}: {exc}")
+        )
+        return False
+    try:
+        for cid in correlation_ids:
+            connection.channel().queue_delete(queue=reply_queue_name(cid))
+        return True
+    except Exception as exc:
+        LOG.warning("could not delete reply queues: %s", config.redact(f"{type(exc).__name__}: {exc}"))
+        return False
+    finally:
+        with contextlib.suppress(Exception):
+            if connection.is_open:
+                connection.close()
+
+
+# --------------------------------------------------------------------------- when to poll
+
+
+def poll_interval_s(waited_s: float, min_s: float, time_limit_s: float | None) -> int:
+    """Seconds until the next poll of a run that has waited ``waited_s`` since its request:
+    ``POLL_GROWTH`` of the time waited, at least ``min_s`` (HPC_POLL_SECONDS), at most the run's
+    cap: ``POLL_CAP_SHARE`` of its 'Maximum time' (never below ``min_s``, never above
+    ``MAX_POLL_S``). A reply that arrives waits at most this long to be picked up."""
+    cap = float(MAX_POLL_S)
+    if time_limit_s is not None:
+        cap = min(cap, max(float(min_s), time_limit_s * POLL_CAP_SHARE))
+    return int(max(float(min_s), min(cap, max(0.0, waited_s) * POLL_GROWTH)))
+
+
+def next_poll_s(config: RelayConfig, runjob_id: str, now: float) -> int:
+    """The countdown of the retry that ends this poll (:func:`poll_interval_s` of the run's state)."""
+    try:
+        with open(os.path.join(config.state_dir, runjob_id, "state.json"), "rb") as handle:
+            data = json.loads(handle.read().decode("utf-8"))
+    except (OSError, ValueError):
+        data = {}
+    published = data.get("published_at")
+    waited = 0.0 if published is None else now - float(published)
+    limit = data.get("time_limit_s")
+    return poll_interval_s(waited, config.poll_seconds, None if limit is None else float(limit))
+
+
+def nothing_new(
+    config: RelayConfig, runjob_id: str, task_id: str | None, now: float, connect: Connect | None = None
+) -> bool:
+    """The cheap poll: True when this attempt has published, has not ended, is within its
+    silence bound and its reply queue holds no message (one passive declaration); then the call
+    only needs to wait again. Anything else (a message, no state, an outage, an error) is False: the
+    full poll (:func:`step`) deals with it."""
+    try:
+        with open(os.path.join(config.state_dir, runjob_id, "state.json"), "rb") as handle:
+            data = json.loads(handle.read().decode("utf-8"))
+    except (OSError, ValueError):
+        return False
+    if task_id is None or data.get("task_id") != task_id or data.get("published_at") is None:
+        return False
+    if data.get("complete") or data.get("failed") or data.get("delete_queues") or data.get("broker_down_since"):
+        return False
+    bound = data.get("bound_s")
+    if bound is None or now - float(data["published_at"]) > float(bound):
+        return False
+    try:
+        connection = (connect or _open_once)(config)
+    except Exception:  # the full poll counts the outage
+        return False
+    try:
+        queue = reply_queue_name(str(data.get("correlation_id") or runjob_id))
+        count = connection.channel().queue_declare(queue=queue, passive=True).method.message_count
+    except Exception:  # a queue gone or a broker error: the full poll sees to it
+        return False
+    finally:
+        with contextlib.suppress(Exception):
+            if connection.is_open:
+                connection.close()
+    return int(count) == 0
 
 
 # --------------------------------------------------------------------------- the reply
@@ -525,6 +828,14 @@ def open_connection(config: RelayConfig) -> pika.BlockingConnection:
     return pika.BlockingConnection(connection_parameters(config))
 
 
+def _open_once(config: RelayConfig) -> pika.BlockingConnection:
+    """One short connection attempt (the cheap poll, clean-ups in the worker's main process)."""
+    params = connection_parameters(config)
+    params.connection_attempts = 1
+    params.socket_timeout = min(5.0, config.connect_timeout_s)
+    return pika.BlockingConnection(params)
+
+
 _PERMANENT = (
     pika.exceptions.ProbableAuthenticationError,
     pika.exceptions.ProbableAccessDeniedError,
@@ -533,9 +844,12 @@ _PERMANENT = (
 _TRANSIENT = (pika.exceptions.AMQPConnectionError, pika.exceptions.StreamLostError, socket.error, ssl.SSLError)
 
 
-def publish_request(channel: Any, config: RelayConfig, correlation_id: str, body: bytes, bound_s: float) -> None:
+def publish_request(
+    channel: Any, config: RelayConfig, correlation_id: str, body: bytes, bound_s: float, runjob_id: str | None = None
+) -> None:
     """Declare the run's reply queue, then publish the request persistent, with confirms and
-    ``mandatory`` (an unroutable or refused publish raises)."""
+    ``mandatory`` (an unroutable or refused publish raises), with the header ``x-rodan-runjob``
+    (the RunJob's uuid, which every attempt of the RunJob shares)."""
     reply_to = reply_queue_name(correlation_id)
     channel.confirm_delivery()
     channel.queue_declare(queue=reply_to, durable=True, arguments=reply_queue_arguments(bound_s))
@@ -545,7 +859,12 @@ def publish_request(channel: Any, config: RelayConfig, correlation_id: str, body
         exchange="",
         routing_key=config.request_queue,
         body=body,
-        properties=pika.BasicProperties(correlation_id=correlation_id, reply_to=reply_to, delivery_mode=2),
+        properties=pika.BasicProperties(
+            correlation_id=correlation_id,
+            reply_to=reply_to,
+            delivery_mode=2,
+            headers={RUNJOB_HEADER: runjob_id or correlation_id},
+        ),
         mandatory=True,
     )
 
@@ -571,29 +890,27 @@ def drain_replies(channel: Any, correlation_id: str, state: RunState) -> int:
 
 def step(
     config: RelayConfig,
-    correlation_id: str,
+    runjob_id: str,
     request_body: Callable[[], bytes],
     bound_s: float,
     now: Callable[[], float] = time.time,
     connect: Connect = open_connection,
+    task_id: str | None = None,
+    time_limit_s: float | None = None,
 ) -> dict[str, bytes] | None:
-    """One poll of a run. Returns the reply's files when it is complete, ``None`` while the run
+    """One poll of a run: of the attempt of Celery task ``task_id`` of RunJob ``runjob_id``
+    (:func:`begin_attempt`). Returns the reply's files when it is complete, ``None`` while the run
     should wait; raises :class:`HPCJobError` for an error reply, silence past ``bound_s``, a broker
-    unreachable longer than ``config.broker_retry_s`` or refusing the job's account."""
-    sweep_state(config.state_dir, now())
-    state = RunState(config.state_dir, correlation_id)
-    if state.get("created_at") is None:
-        state.update(created_at=now())
+    unreachable longer than ``config.broker_retry_s`` or refusing the job's account, and
+    :class:`AttemptOver` for an attempt whose state was removed."""
+    state = begin_attempt(config.state_dir, runjob_id, task_id, now())
+    correlation_id = str(state.get("correlation_id"))
     if state.get("complete"):
         return decode_reply(state.assemble())
     if state.get("failed"):
-        # Only Rodan's "Retry" runs a RunJob again after it failed (a failed call is acknowledged):
-        # same RunJob, same correlation id, which the bridge answers once.
-        raise HPCJobError(
-            "This run already ended: {}".format(state.get("failed")),
-            "Rodan's Retry runs the same RunJob again, and hpc-bridge answers each RunJob's request "
-            "once. Start a new workflow run to train again.",
-        )
+        # The same attempt again (a redelivered call): the same outcome. Rodan's Retry is another
+        # Celery task id, which starts a new attempt in begin_attempt.
+        raise HPCJobError(str(state.get("failed")), str(state.get("failed_details") or ""))
     try:
         connection = connect(config)
     except _PERMANENT as exc:
@@ -605,11 +922,30 @@ def step(
         return None
     try:
         channel = connection.channel()
+        stale = list(state.get("delete_queues") or [])
+        if stale:
+            # The previous attempt's queue goes before this attempt publishes: its late reply is
+            # then unroutable (dropped by the bridge), never taken for this attempt's.
+            for old in stale:
+                channel.queue_delete(queue=reply_queue_name(old))
+            state.update(delete_queues=[])
         if state.get("published_at") is None:
-            publish_request(channel, config, correlation_id, request_body(), bound_s)
+            publish_request(channel, config, correlation_id, request_body(), bound_s, runjob_id)
             published = now()
-            state.update(published_at=published, expires_at=published + bound_s + DAY_S, ended_at=None)
-            LOG.info("published HPC request %s to %s", correlation_id, config.request_queue)
+            state.update(
+                published_at=published,
+                expires_at=published + bound_s + DAY_S,
+                ended_at=None,
+                bound_s=bound_s,
+                time_limit_s=time_limit_s,
+            )
+            LOG.info(
+                "published HPC request %s (RunJob %s, attempt %s) to %s",
+                correlation_id,
+                runjob_id,
+                state.get("attempt"),
+                config.request_queue,
+            )
         else:
             channel.queue_declare(
                 queue=reply_queue_name(correlation_id), durable=True, arguments=reply_queue_arguments(bound_s)
@@ -671,12 +1007,13 @@ def _duration(seconds: float) -> str:
 
 
 def _ended(state: RunState, at: float, error: HPCJobError) -> HPCJobError:
-    """Record that the run failed and return the error. A run that had published is refused on a
-    later Retry in Rodan (the bridge answers its request once); one that had not starts afresh."""
+    """Record that the attempt failed and return the error. After a publish, a redelivery of the
+    same call fails alike; before one, it tries afresh. Rodan's Retry (another Celery task id)
+    starts the next attempt either way."""
     if state.get("published_at") is None:
         state.update(ended_at=at, broker_down_since=None)
     else:
-        state.update(ended_at=at, broker_down_since=None, failed=error.summary)
+        state.update(ended_at=at, broker_down_since=None, failed=error.summary, failed_details=error.details)
     return error
 
 

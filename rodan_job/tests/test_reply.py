@@ -198,4 +198,8 @@ def test_the_state_of_finished_and_abandoned_runs_is_swept(state_dir: str) -> No
     RunState(state_dir, "broker-down-today").update(created_at=now - 3600)
     removed = hpc_relay.sweep_state(state_dir, now)
     assert sorted(removed) == ["ended-long-ago", "never-published", "queue-expired"]
-    assert sorted(os.listdir(state_dir)) == ["broker-down-today", "ended-just-now", "waiting"]
+    assert sorted(os.listdir(state_dir)) == [".attempts", "broker-down-today", "ended-just-now", "waiting"]
+    # A removed run that had published keeps the record of its attempt (a later Retry gets the next
+    # correlation id, never one the bridge answered already).
+    assert sorted(os.listdir(os.path.join(state_dir, ".attempts"))) == ["ended-long-ago", "queue-expired"]
+    assert hpc_relay.read_attempt_record(state_dir, "queue-expired")["attempt"] == 1
