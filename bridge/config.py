@@ -95,6 +95,7 @@ class BridgeConfig:
     rodan_retries: int = DEFAULT_RODAN_RETRIES
     scheduler_timeout_s: float = DEFAULT_SCHEDULER_TIMEOUT_S
     reconcile_interval_s: float = 30.0
+    rodan_check_interval_s: float = 60.0  # Rodan 3: ask Rodan about each waiting run this often (0: never)
     poll_interval_s: float = 0.25
     broker_heartbeat_s: int = 30
     broker_ca_file: str | None = None
@@ -415,6 +416,7 @@ def _build(raw: Mapping[str, str]) -> tuple[BridgeConfig, _Getter]:
         rodan_retries=get.integer("HPC_RODAN_RETRIES", DEFAULT_RODAN_RETRIES, minimum=0),
         scheduler_timeout_s=get.number("HPC_SCHEDULER_TIMEOUT", DEFAULT_SCHEDULER_TIMEOUT_S),
         reconcile_interval_s=get.number("HPC_RECONCILE_INTERVAL", 30.0),
+        rodan_check_interval_s=get.number("HPC_RODAN_CHECK_INTERVAL", 60.0),
         poll_interval_s=get.number("HPC_POLL_INTERVAL", 0.25),
         broker_heartbeat_s=get.integer("HPC_BROKER_HEARTBEAT", 30, minimum=1),
         broker_ca_file=get.text("RABBITMQ_CA_FILE", "") or None,

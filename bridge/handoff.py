@@ -60,6 +60,9 @@ DEFAULT_MAX_INPUT_PIXELS = 400_000_000
 DEFAULT_SCHEDULER_TIMEOUT_S = 60.0
 #: HPC_MAX_CONTINUATIONS: continuation jobs one request may use before it gets an error reply.
 DEFAULT_MAX_CONTINUATIONS = 5
+#: The run directory's folders that only a continuation needs: removed once the request is answered
+#: (the worker) or cancelled in Rodan (the bridge). The log, the models and the TensorBoard events stay.
+TRANSIENT_RUN_FOLDERS = ("inputs", "checkpoints")
 #: HPC_CHECKPOINT_SYNC: how often node-local checkpoints are copied to the run directory (seconds).
 DEFAULT_CHECKPOINT_SYNC_S = 60.0
 

@@ -56,6 +56,7 @@ from bridge.protocol import (
 )
 from bridge.replies import ReplyBox, part_bytes_for
 from bridge.rodan import IMAGE_KINDS, InputKind, RodanClient
+from bridge.rodan_cancel import RUNJOB_HEADER, RodanCancels, runjob_of
 from bridge.schedulers import JobSpec, Scheduler
 from bridge.spool import Spool, atomic_write, atomic_write_json
 from bridge.version import package_version, pinned_worker_python
@@ -104,6 +105,7 @@ class Message:
     reply_to: str | None
     redelivered: bool
     delivery_tag: int
+    runjob: str | None = None  # generation 3: the x-rodan-runjob header (the RunJob's uuid)
 
     @classmethod
     def from_delivery(cls, method: Basic.GetOk, properties: pika.BasicProperties, body: bytes) -> Message:
@@ -114,6 +116,7 @@ class Message:
             reply_to=text_property(properties.reply_to),
             redelivered=bool(method.redelivered),
             delivery_tag=int(method.delivery_tag),
+            runjob=text_property((properties.headers or {}).get(RUNJOB_HEADER)),
         )
 
 
@@ -152,6 +155,7 @@ class Intake:
         self._token = ""
         self._token_at = 0.0
         self.active = ActiveJobs(ledger, config.max_active_jobs)  # HPC_MAX_ACTIVE_JOBS
+        self.cancels: RodanCancels | None = None  # Rodan 3: a Retry's attempt supersedes the earlier ones
 
     def process(self, msg: Message) -> Decision:
         """Decide one message. Raises only when the spool cannot be written (the runner defers it)."""
@@ -210,7 +214,7 @@ class Intake:
         )
 
     def _process(self, msg: Message, record: RequestRecord) -> Decision:
-        if record.state in (RequestState.SUBMITTED, RequestState.REPLIED):
+        if record.state in (RequestState.SUBMITTED, RequestState.REPLIED, RequestState.CANCELLED_BY_RODAN):
             log.info("request_duplicate", state=record.state.value, job_id=record.job_id)
             return Decision(Outcome.DUPLICATE, record=record)
         if record.state is RequestState.REJECTED:
@@ -231,6 +235,8 @@ class Intake:
                 rodan_origin=self.config.rodan_base_url,
             )
             record.generation = request.generation.value
+            if request.generation is Generation.RODAN3:
+                self._note_attempt(record, msg)
             log.info("request_valid", generation=request.generation.value, **request.log_fields())
             if self.active.full():
                 return self._wait_for_room(record)
@@ -270,6 +276,12 @@ class Intake:
         return Decision(Outcome.SUBMITTED, record=record)
 
     # --- steps -----------------------------------------------------------------
+    def _note_attempt(self, record: RequestRecord, msg: Message) -> None:
+        """Rodan 3: the request's RunJob; a Retry's new attempt supersedes the earlier ones."""
+        record.rodan_runjob = runjob_of(record.correlation_id, msg.runjob)
+        if self.cancels is not None and record.rodan_runjob:
+            self.cancels.supersede(record)
+
     def _get_token(self) -> str:
         if self._token and time.monotonic() - self._token_at < TOKEN_CACHE_S:
             return self._token

@@ -28,10 +28,13 @@ class RequestState(str, Enum):
     SUBMITTED = "submitted"  # a job exists; reconciliation watches it until a reply is published
     REPLIED = "replied"  # the final reply (models or error) was published
     REJECTED = "rejected"  # never submitted; an error reply was published and the message dead-lettered
+    # Rodan 3: the run was cancelled, deleted or retried in Rodan (bridge/rodan_cancel.py); its jobs were
+    # cancelled and no reply is ever published: nobody reads it.
+    CANCELLED_BY_RODAN = "cancelled_by_rodan"
 
     @property
     def is_final(self) -> bool:
-        return self in (RequestState.REPLIED, RequestState.REJECTED)
+        return self in (RequestState.REPLIED, RequestState.REJECTED, RequestState.CANCELLED_BY_RODAN)
 
 
 @dataclass
@@ -63,6 +66,9 @@ class RequestRecord:
     deferred_since: float = 0.0  # first transient failure of the current run of them (HPC_DEFER_LIMIT)
     pending_since: float = 0.0  # when reconciliation first saw the job PENDING this time (HPC_MAX_PENDING)
     bridge_version: str = field(default_factory=package_version)  # the hpc-bridge that took the request
+    rodan_runjob: str = ""  # generation 3: the RunJob's uuid (one RunJob, one request per attempt)
+    rodan_checked_at: float = 0.0  # when the bridge last asked Rodan for the RunJob's status
+    rodan_seen: bool = False  # Rodan showed the RunJob to the bridge's account once (a 404 then means deleted)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)

@@ -25,6 +25,7 @@ from bridge.errors import SchedulerUnavailable
 from bridge.ledger import Ledger, RequestRecord, RequestState
 from bridge.protocol import error_reply
 from bridge.replies import ReplyBox, StagedReply, part_bytes_for
+from bridge.rodan_cancel import RodanCancels
 from bridge.schedulers import JobInfo, JobState, Scheduler
 from bridge.spool import Spool
 
@@ -61,13 +62,20 @@ def explain(record: RequestRecord, info: JobInfo, scheduler: str) -> str:
 
 class Reconciler:
     def __init__(
-        self, config: BridgeConfig, spool: Spool, ledger: Ledger, scheduler: Scheduler, replies: ReplyBox
+        self,
+        config: BridgeConfig,
+        spool: Spool,
+        ledger: Ledger,
+        scheduler: Scheduler,
+        replies: ReplyBox,
+        cancels: RodanCancels | None = None,
     ) -> None:
         self.config = config
         self.spool = spool
         self.ledger = ledger
         self.scheduler = scheduler
         self.replies = replies
+        self.cancels = cancels  # Rodan 3: runs cancelled, deleted or retried in Rodan (bridge/rodan_cancel.py)
 
     def _stage(self, record: RequestRecord, body: bytes) -> None:
         """Stage the bridge's error reply to ``record`` (in parts for generation 3: docs/protocol.md §3.5)."""
@@ -100,6 +108,9 @@ class Reconciler:
     def reconcile(self) -> int:
         """Query the scheduler about every watched job; stage error replies for dead ones."""
         self.mark_replied()
+        if self.cancels is not None:
+            self.cancels.settle()
+            self.cancels.check(self.ledger.in_state(RequestState.SUBMITTED, RequestState.RECEIVED))
         watched = [r for r in self.ledger.in_state(RequestState.SUBMITTED) if r.job_id]
         if not watched:
             return 0
@@ -224,10 +235,16 @@ class Reconciler:
             log.warning("job_delete_failed", error=str(exc))
 
     def may_publish(self, entry: StagedReply) -> bool:
-        """A reply the worker staged is the worker's to publish until its job has ended."""
+        """A reply the worker staged is the worker's to publish until its job has ended. A request
+        cancelled in Rodan gets no reply: one staged after the cancel (the worker's, as its job
+        stopped) is dropped here."""
+        record = self.ledger.get(entry.correlation_id)
+        if record is not None and record.state is RequestState.CANCELLED_BY_RODAN:
+            self.replies.discard(entry.correlation_id)
+            log.info("reply_discarded", correlation_id=entry.correlation_id, reason="the run is cancelled in Rodan")
+            return False
         if entry.origin != "worker":
             return True
-        record = self.ledger.get(entry.correlation_id)
         return record is None or record.state is not RequestState.SUBMITTED or record.job_ended
 
     def judge_lost(self, seen: set[str], now: float | None = None) -> int:

@@ -171,6 +171,14 @@ class ReplyBox:
         """The staged reply of one request, if there is one (without listing the outbox)."""
         return self._read_entry(self.spool.outbox_dir / f"{safe_key(correlation_id)}.json")
 
+    def discard(self, correlation_id: str) -> bool:
+        """Drop the staged reply of a request nobody will read (cancelled in Rodan); whether there was one."""
+        entry = self.staged_entry(correlation_id)
+        if entry is None:
+            return False
+        self._drop(entry)
+        return True
+
     @staticmethod
     def _read_entry(meta_path: Path) -> StagedReply | None:
         try:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, TypeVar
 from urllib.parse import urljoin, urlsplit
+from uuid import UUID
 
 import requests
 import structlog
@@ -141,6 +142,31 @@ class RodanClient:
 
         self.token = self._retrying(attempt, "rodan_token")
         return self.token
+
+    # --- runs ------------------------------------------------------------------
+    def runjob_status(self, runjob: str) -> int | None:
+        """``GET /api/runjob/<uuid>/``: the RunJob's ``status`` (Rodan's task_status codes), or None when
+        Rodan answers 404. Rodan answers 404 also to an account that may not view the RunJob (Django
+        REST framework's object permissions): the caller tells the two apart. Tried once (the caller
+        asks again on its next pass); an expired token is renewed once. RodanAuthError on 401/403,
+        TransientError when Rodan is unreachable or busy, PermanentError on anything else."""
+        uuid = str(UUID(runjob))  # only a uuid reaches the URL
+        if not self.token:
+            self.get_token()
+        response = self._send("GET", f"/api/runjob/{uuid}/", auth=True)
+        if response.status_code == 401:
+            self.get_token()
+            response = self._send("GET", f"/api/runjob/{uuid}/", auth=True)
+        if response.status_code == 404:
+            return None
+        if response.status_code in (401, 403):
+            raise RodanAuthError(f"Rodan refused to show RunJob {uuid} ({response.status_code}: {_detail(response)})")
+        if response.status_code != 200:
+            raise PermanentError(f"Rodan answered {response.status_code} for RunJob {uuid}: {_detail(response)}")
+        try:
+            return int(response.json()["status"])
+        except (ValueError, KeyError, TypeError):
+            raise PermanentError(f"Rodan's answer for RunJob {uuid} has no status") from None
 
     # --- resources -----------------------------------------------------------
     def sends_token_to(self, url: str) -> bool:

@@ -79,6 +79,7 @@ from bridge.protocol import bounded
 from bridge.reconcile import Reconciler
 from bridge.replies import ReplyBox
 from bridge.rodan import RodanClient
+from bridge.rodan_cancel import RodanCancels
 from bridge.schedulers import Scheduler, get_scheduler
 from bridge.sdnotify import Notifier
 from bridge.spool import Spool
@@ -179,7 +180,9 @@ class Bridge:
             retries=config.rodan_retries,
         )
         self.intake = Intake(config, self.spool, self.ledger, self.scheduler, self.rodan, self.replies)
-        self.reconciler = Reconciler(config, self.spool, self.ledger, self.scheduler, self.replies)
+        self.cancels = RodanCancels(config, self.spool, self.ledger, self.scheduler, self.replies, self.rodan)
+        self.intake.cancels = self.cancels
+        self.reconciler = Reconciler(config, self.spool, self.ledger, self.scheduler, self.replies, self.cancels)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bridge-work")
         self._stop = threading.Event()
         self._connection: pika.BlockingConnection | None = None

@@ -29,7 +29,7 @@ import structlog
 
 from bridge.amqp import CONNECTION_ERRORS, connect
 from bridge.errors import BridgeError, BrokerUnavailable
-from bridge.handoff import JobParameters
+from bridge.handoff import TRANSIENT_RUN_FOLDERS, JobParameters
 from bridge.logs import register_secret, tee_logs_to
 from bridge.protocol import Generation, InputRole, error_reply, success_reply, without_private
 from bridge.replies import ReplyBox
@@ -50,8 +50,6 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("worker")
 
-#: Folders of the run directory that only matter until the final reply is out.
-TRANSIENT_RUN_FOLDERS = ("inputs", "checkpoints")
 #: What the worker's ``layer_learned_nothing`` event tells the operator to have the user change.
 LEARNED_NOTHING_ADVICE = (
     "the model marks every pixel alike: train again with more of this layer (paint more of it, or raise the "

@@ -41,6 +41,7 @@ STATES: tuple[str, ...] = (
     "replied-error",
     "reply-expired",
     "rejected",
+    "cancelled-by-rodan",
 )
 #: Reply latency buckets in seconds: a minute to three days.
 LATENCY_BUCKETS: tuple[float, ...] = (60, 300, 900, 1800, 3600, 7200, 21600, 43200, 86400, 259200)
@@ -63,6 +64,8 @@ def display_state(record: RequestRecord, job_state: str | None = None) -> str:
         return {"error": "replied-error", "expired": "reply-expired"}.get(record.outcome, "replied-ok")
     if record.state is RequestState.REJECTED:
         return "rejected"
+    if record.state is RequestState.CANCELLED_BY_RODAN:
+        return "cancelled-by-rodan"
     if record.continuations:
         return "continued"
     seen = job_state_word(record.scheduler, job_state if job_state is not None else record.job_state)
@@ -85,6 +88,7 @@ class Counters:
     rejected: int
     dead_lettered: int
     continuations: int
+    cancelled_by_rodan: int
 
     def to_json(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -100,6 +104,7 @@ def count(records: Iterable[RequestRecord]) -> Counters:
         if r.state is RequestState.REPLIED:
             n[{"error": "replied_error", "expired": "reply_expired"}.get(r.outcome, "replied_ok")] += 1
         n["rejected"] += r.state is RequestState.REJECTED
+        n["cancelled_by_rodan"] += r.state is RequestState.CANCELLED_BY_RODAN
         n["dead_lettered"] += bool(r.dead_lettered)
         n["continuations"] += r.continuations
     return Counters(**{f.name: n[f.name] for f in fields(Counters)})  # a count never seen is 0
@@ -168,6 +173,7 @@ def render(
         "replied_error": counters.replied_error,
         "reply_expired": counters.reply_expired,
         "rejected": counters.rejected,
+        "cancelled_by_rodan": counters.cancelled_by_rodan,
         "dead_lettered": counters.dead_lettered,
     }
     for outcome, value in outcomes.items():

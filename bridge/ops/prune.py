@@ -46,6 +46,8 @@ def settled_at(record: RequestRecord) -> float | None:
         return record.replied_at or record.updated_at
     if record.state is RequestState.REJECTED and record.dead_lettered:
         return record.updated_at
+    if record.state is RequestState.CANCELLED_BY_RODAN and record.job_ended:
+        return record.updated_at
     return None
 
 

@@ -18,7 +18,9 @@ from urllib.parse import urlsplit
 import requests
 
 #: WorkflowRun and RunJob statuses (Rodan's rodan/constants.py).
-FINISHED, FAILED, PROCESSING = 4, -1, 1
+FINISHED, FAILED, PROCESSING, CANCELLED = 4, -1, 1, 9
+#: What the web client's Cancel and Retry buttons PATCH into a workflow run's status.
+REQUEST_CANCELLING, REQUEST_RETRYING = 29, 31
 REQUEST_TIMEOUT_S = 60.0
 
 
@@ -175,6 +177,21 @@ class Api:
                 return run
             time.sleep(poll_s)
         raise RodanApiError(f"the workflow run did not end within {timeout_s:.0f} s (status {run.get('status')})")
+
+    def cancel_run(self, run_url: str) -> None:
+        """The web client's Cancel: PATCH the workflow run's status to REQUEST_CANCELLING (Rodan then
+        sets its RunJobs CANCELLED and revokes their Celery tasks)."""
+        self._set_status(run_url, REQUEST_CANCELLING, "cancel")
+
+    def retry_run(self, run_url: str) -> None:
+        """The web client's Retry of a FAILED or CANCELLED run: PATCH its status to REQUEST_RETRYING
+        (Rodan schedules its failed and cancelled RunJobs again, the same RunJobs)."""
+        self._set_status(run_url, REQUEST_RETRYING, "retry")
+
+    def _set_status(self, run_url: str, status: int, what: str) -> None:
+        answer = self.patch(run_url, json={"status": status})
+        if answer.status_code != 200:
+            raise RodanApiError(f"Rodan refused to {what} the run: {answer.status_code} {answer.text[:500]}")
 
     def run_jobs(self, run: dict[str, Any]) -> list[dict[str, Any]]:
         """The RunJobs of a workflow run."""
