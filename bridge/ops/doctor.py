@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import pika
 import pika.exceptions
@@ -45,6 +46,7 @@ from bridge.intake import rodan_job_spec
 from bridge.logs import configure_logging, register_secret
 from bridge.ops import probe as job_probe
 from bridge.ops.checks import Check, fail, ok, skip, warn
+from bridge.ops.heartbeat import status_queue_arguments
 from bridge.ops.install import LINGER_DIR, installed_user_units, lingering
 from bridge.ops.instances import collisions, other_instances
 from bridge.protocol import RequestSettings
@@ -139,6 +141,13 @@ TEMPLATE_SETTINGS = (
 NEEDS: dict[str, tuple[str, ...]] = {
     "broker": BROKER_SETTINGS,
     "queues": (*BROKER_SETTINGS, "HPC_REQUEST_QUEUE", "HPC_REPLY_QUEUE", "HPC_DEAD_LETTER_QUEUE"),
+    "broker-rights": (
+        *BROKER_SETTINGS,
+        "HPC_REQUEST_QUEUE",
+        "HPC_REPLY_QUEUE",
+        "HPC_DEAD_LETTER_QUEUE",
+        "HPC_STATUS_QUEUE",
+    ),
     "rodan": ("RODAN_*", "HPC_RODAN_TIMEOUT"),
     "scheduler": (SCHEDULER,),
     "spool": ("HPC_SPOOL_DIR",),
@@ -223,16 +232,17 @@ def diagnose(
         return blocking(check, problems)
 
     if config is None or blocked("broker"):
-        checks += [skip("broker", blocked("broker")), skip("queues", blocked("broker"))]
+        checks += [skip(name, blocked("broker")) for name in ("broker", "queues", "broker-rights")]
     else:
         broker = check_broker(config)
         checks.append(broker)
-        if blocked("queues"):
-            checks.append(skip("queues", blocked("queues")))
-        elif broker.status == "ok":
-            checks.extend(check_queues(config))
-        else:
-            checks.append(skip("queues", "no broker connection (see broker)"))
+        for name, check in (("queues", check_queues), ("broker-rights", check_rights)):
+            if blocked(name):
+                checks.append(skip(name, blocked(name)))
+            elif broker.status == "ok":
+                checks.extend(check(config))
+            else:
+                checks.append(skip(name, "no broker connection (see broker)"))
     checks.append(skip("rodan", blocked("rodan")) if config is None or blocked("rodan") else check_rodan(config))
     if config is None or blocked("scheduler"):
         checks += [skip(name, blocked("scheduler")) for name in SCHEDULER_CHECKS]
@@ -469,6 +479,129 @@ def _check_queue(connection: pika.BlockingConnection, queue: str, durable: bool,
         if channel.is_open:
             channel.close()
     return ok(name, f"declared as expected, {depth} message(s) waiting")
+
+
+#: The rights of the bridge's account that docs/rodan-guide.md (step 1) gives, for the default names.
+OWN_QUEUES_PATTERN = r"hpc-bridge\..+"
+DEFAULT_EXCHANGE = "amq.default"
+_PATTERN_SPECIALS = re.compile(r"([.^$*+?{}\[\]\\|()])")
+
+
+def _literal(name: str) -> str:
+    """``name`` as a RabbitMQ permission pattern that matches it alone."""
+    return _PATTERN_SPECIALS.sub(r"\\\1", name)
+
+
+def bridge_permissions(config: BridgeConfig) -> tuple[str, str, str]:
+    """(configure, write, read) patterns for the bridge's account with this configuration's queue
+    names: docs/rodan-guide.md's line for the default names (anchored: RabbitMQ matches a pattern
+    anywhere in a name otherwise)."""
+    own = re.compile(OWN_QUEUES_PATTERN)
+    dead = [] if own.fullmatch(config.dead_letter_queue) else [_literal(config.dead_letter_queue)]
+    status = [] if not config.status_queue or own.fullmatch(config.status_queue) else [_literal(config.status_queue)]
+    request = _literal(config.request_queue)
+    configure = [request, _literal(config.reply_queue) + r"(\..+)?", OWN_QUEUES_PATTERN, *dead, *status]
+    read = [request, OWN_QUEUES_PATTERN, *dead]
+    return f"^({'|'.join(configure)})$", f"^{_literal(DEFAULT_EXCHANGE)}$", f"^({'|'.join(read)})$"
+
+
+def set_permissions_line(config: BridgeConfig) -> str:
+    """The ``rabbitmqctl set_permissions`` line that gives the bridge's account what it needs."""
+    parts = urlsplit(config.broker_url)
+    vhost = unquote(parts.path[1:]) if len(parts.path) > 1 else "/"
+    configure, write, read = bridge_permissions(config)
+    return f"rabbitmqctl set_permissions -p {vhost} {_user(config.broker_url)} '{configure}' '{write}' '{read}'"
+
+
+def check_rights(config: BridgeConfig) -> list[Check]:
+    """The broker rights the bridge uses, each tried with an operation that changes nothing anyone
+    relies on (the management plugin may be off: AMQP only). Declaring the request, dead-letter and
+    status queues is what the bridge does on every connection; a message taken to prove a read
+    right is given back at once (``basic_reject`` with requeue: only its redelivered flag changes);
+    the write right is proven by a ``mandatory`` publish to a queue that does not exist (returned,
+    stored nowhere); configure on ``hpc-results.<run>`` by a scratch queue, deleted at once."""
+    name = "broker-rights"
+    try:
+        connection = _connect(config)
+    except (pika.exceptions.AMQPError, *CONNECTION_ERRORS) as exc:
+        return [skip(name, f"the broker went away ({type(exc).__name__})")]
+    scratch = f"doctor-{uuid.uuid4().hex[:12]}"
+    probes: list[tuple[str, str, str, Callable[[Any], object]]] = [
+        (
+            "configure", config.request_queue, "the bridge cannot declare the request queue, so it does not start",
+            lambda ch: ch.queue_declare(config.request_queue, durable=False, exclusive=False, auto_delete=False),
+        ),
+        (
+            "read", config.request_queue, "requests are never taken",
+            lambda ch: _get_and_give_back(ch, config.request_queue),
+        ),
+        (
+            "configure", config.dead_letter_queue,
+            "the bridge cannot declare its dead-letter queue, so it does not start",
+            lambda ch: ch.queue_declare(config.dead_letter_queue, durable=True),
+        ),
+        (
+            "read", config.dead_letter_queue, "hpc-bridge requeue-dead and purge cannot take the dead letters",
+            lambda ch: _get_and_give_back(ch, config.dead_letter_queue),
+        ),
+        (
+            "write", f"exchange {DEFAULT_EXCHANGE}", "replies, dead-letter copies and status messages would be refused",
+            lambda ch: _publish_nowhere(ch, f"{config.dead_letter_queue}.{scratch}"),
+        ),
+    ]  # fmt: skip
+    if config.status_queue:
+        probes.append((
+            "configure", config.status_queue, "no status message is published",
+            lambda ch: ch.queue_declare(config.status_queue, durable=True, arguments=status_queue_arguments()),
+        ))  # fmt: skip
+    if any(pattern.startswith(f"{config.reply_queue}.") for pattern in config.reply_queue_patterns):
+        run_queue = f"{config.reply_queue}.hpc-bridge-{scratch}"
+        probes.append((
+            "configure", f"{config.reply_queue}.<run>",
+            "a run's reply queue that nobody will read any more could not be deleted",
+            lambda ch: (ch.queue_declare(run_queue, arguments={"x-expires": 60_000}), ch.queue_delete(run_queue)),
+        ))  # fmt: skip
+    missing: list[str] = []
+    try:
+        for right, what, harm, probe in probes:
+            channel = connection.channel()
+            channel.confirm_delivery()
+            try:
+                probe(channel)
+            except pika.exceptions.ChannelClosedByBroker as exc:
+                if exc.reply_code != 403:
+                    continue  # not about rights (a 406 of the queue's declaration: the queues line says it)
+                target = what if what.startswith("exchange ") else f"queue {what}"
+                verb = "write to" if right == "write" else right
+                missing.append(f"the account cannot {verb} {target}: {harm}")
+                continue
+            if channel.is_open:
+                channel.close()
+    except (pika.exceptions.AMQPError, *CONNECTION_ERRORS) as exc:
+        return [skip(name, f"the broker went away ({type(exc).__name__})")]
+    finally:
+        if connection.is_open:
+            connection.close()
+    fix = f"{set_permissions_line(config)} (docs/rodan-guide.md, step 1)"
+    if missing:
+        return [fail(name, "; ".join(missing), fix)]
+    return [ok(name, f"configure, write and read as the bridge needs them ({len(probes)} operations tried)")]
+
+
+def _get_and_give_back(channel: Any, queue: str) -> None:
+    """Prove the read right on ``queue``: a message taken goes straight back (redelivered)."""
+    method, _properties, _body = channel.basic_get(queue, auto_ack=False)
+    if method is not None:
+        channel.basic_reject(method.delivery_tag, requeue=True)
+
+
+def _publish_nowhere(channel: Any, queue: str) -> None:
+    """Prove the write right on the default exchange: a ``mandatory`` message to a queue that does
+    not exist is returned (no queue stores it); a refusal closes the channel with 403."""
+    try:
+        channel.basic_publish("", queue, b"hpc-bridge doctor: write right probe", mandatory=True)
+    except pika.exceptions.UnroutableError:
+        pass
 
 
 # --- 4. Rodan ----------------------------------------------------------------------------------
