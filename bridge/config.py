@@ -23,6 +23,7 @@ from dotenv import dotenv_values
 from bridge.errors import ConfigError
 from bridge.handoff import (
     DEFAULT_CHECKPOINT_SYNC_S,
+    DEFAULT_INPUTS_FETCH,
     DEFAULT_MAX_CONTINUATIONS,
     DEFAULT_MAX_INPUT_BYTES,
     DEFAULT_MAX_INPUT_PIXELS,
@@ -31,6 +32,7 @@ from bridge.handoff import (
     DEFAULT_RODAN_RETRIES,
     DEFAULT_RODAN_TIMEOUT_S,
     DEFAULT_SCHEDULER_TIMEOUT_S,
+    INPUTS_FETCH_CHOICES,
 )
 from bridge.instance import DEFAULT_INSTANCE, INSTANCE_ENV, Instance, instance_name
 from bridge.protocol import without_private
@@ -89,6 +91,9 @@ class BridgeConfig:
     poison_limit: int = 3  # deliveries that crashed a process before a message is quarantined
     max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES  # one input file, raw bytes on the wire
     max_input_pixels: int = DEFAULT_MAX_INPUT_PIXELS  # one input image, width x height
+    # Who downloads the inputs from Rodan: the job on its compute node ("node"), or the bridge on the
+    # login node at intake, into the spool ("login": for compute nodes without a route to Rodan).
+    inputs_fetch: str = DEFAULT_INPUTS_FETCH
     max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES
     reply_part_bytes: int = DEFAULT_REPLY_PART_BYTES  # one part of a reply sent in parts (generation 3)
     rodan_timeout_s: float = DEFAULT_RODAN_TIMEOUT_S
@@ -410,6 +415,7 @@ def _build(raw: Mapping[str, str]) -> tuple[BridgeConfig, _Getter]:
         poison_limit=get.integer("HPC_POISON_LIMIT", 3, minimum=1),
         max_input_bytes=get.integer("HPC_MAX_INPUT_BYTES", DEFAULT_MAX_INPUT_BYTES, minimum=1024),
         max_input_pixels=get.integer("HPC_MAX_INPUT_PIXELS", DEFAULT_MAX_INPUT_PIXELS, minimum=1024),
+        inputs_fetch=get.choice("HPC_INPUTS_FETCH", DEFAULT_INPUTS_FETCH, INPUTS_FETCH_CHOICES),
         max_reply_bytes=get.integer("HPC_MAX_REPLY_BYTES", DEFAULT_MAX_REPLY_BYTES, minimum=1024),
         reply_part_bytes=get.integer("HPC_REPLY_PART_BYTES", DEFAULT_REPLY_PART_BYTES, minimum=1024),
         rodan_timeout_s=get.number("HPC_RODAN_TIMEOUT", DEFAULT_RODAN_TIMEOUT_S),

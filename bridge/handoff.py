@@ -41,7 +41,7 @@ from bridge.schedulers.base import CONTINUE_BY, JobSpec
 from bridge.spool import safe_key
 
 #: The layout of the parameter file this code writes and reads (see the module's docstring).
-PARAMETERS_VERSION = 2  # 2: generation 3 ("rodan3"), the inputs' "roles", "reply_part_bytes"
+PARAMETERS_VERSION = 3  # 2: generation 3 ("rodan3"), the inputs' "roles", "reply_part_bytes"; 3: "inputs_dir"
 #: What messages about a parameter file call it.
 PARAMETER_FILE = "parameter file"
 
@@ -56,6 +56,10 @@ DEFAULT_RODAN_RETRIES = 4
 DEFAULT_MAX_INPUT_BYTES = 1 << 30
 #: HPC_MAX_INPUT_PIXELS: the largest input image opened (width x height).
 DEFAULT_MAX_INPUT_PIXELS = 400_000_000
+#: HPC_INPUTS_FETCH: who downloads the inputs from Rodan: the job on its compute node ("node"), or the
+#: bridge on the login node at intake, into the spool ("login": nodes without a route to Rodan).
+INPUTS_FETCH_CHOICES = ("node", "login")
+DEFAULT_INPUTS_FETCH = "node"
 #: HPC_SCHEDULER_TIMEOUT: how long one scheduler command may take (the job's own too, when it continues).
 DEFAULT_SCHEDULER_TIMEOUT_S = 60.0
 #: HPC_MAX_CONTINUATIONS: continuation jobs one request may use before it gets an error reply.
@@ -211,6 +215,9 @@ class JobParameters:
     job: SchedulerAccess
     continuation: ContinuationState = field(default_factory=ContinuationState)
     run_dir: Path | None = None  # set once a first job created it: a continuation resumes there
+    # HPC_INPUTS_FETCH=login: the folder where the bridge put every input (input_files' names); the job
+    # reads them there and never connects to Rodan (the token is ""). None: the job downloads them.
+    inputs_dir: Path | None = None
     created_at: float
     bridge_pid: int
     bridge_version: str  # the worker warns when its own differs (worker_version_mismatch)
@@ -243,6 +250,7 @@ class JobParameters:
             "job": self.job.to_json(),
             "continuation": self.continuation.to_json(),
             "run_dir": str(self.run_dir) if self.run_dir is not None else None,
+            "inputs_dir": str(self.inputs_dir) if self.inputs_dir is not None else None,
             "created_at": self.created_at,
             "bridge_pid": self.bridge_pid,
             "bridge_version": self.bridge_version,
@@ -278,10 +286,18 @@ class JobParameters:
             job=SchedulerAccess.from_json(r.value("job")),
             continuation=ContinuationState.from_json(r.value("continuation")),
             run_dir=r.optional_path("run_dir"),
+            inputs_dir=r.optional_path("inputs_dir"),
             created_at=r.number("created_at"),
             bridge_pid=r.integer("bridge_pid"),
             bridge_version=r.text("bridge_version"),
         )
+
+
+def input_files(inputs: Iterable[str], folder: Path) -> dict[str, Path]:
+    """Input name -> its file in ``folder`` (``input-0``, ``input-1``, ... in the order of the names):
+    the same names whoever downloads them, the job (into its run directory's ``inputs/``) or the
+    bridge (HPC_INPUTS_FETCH=login, into ``JobParameters.inputs_dir``)."""
+    return {name: folder / f"input-{index}" for index, name in enumerate(sorted(inputs))}
 
 
 def check_version(data: Mapping[str, Any]) -> None:
@@ -309,7 +325,7 @@ def check_version(data: Mapping[str, Any]) -> None:
 # --- the probe job (hpc-bridge doctor --job) ----------------------------------------------------
 
 #: The layout of the probe file and of the node's findings (changes as PARAMETERS_VERSION does).
-PROBE_VERSION = 1
+PROBE_VERSION = 2  # 2: "inputs_fetch"
 #: What the probe job runs, with the worker's Python: ``python -m worker.probe PROBE_FILE``.
 PROBE_MODULE = "worker.probe"
 #: The probe folder's files (``SPOOL/jobs/doctor-probe-ID/``), named here for both sides.
@@ -382,6 +398,7 @@ class ProbeParameters:
     min_scratch_bytes: int = DEFAULT_PROBE_MIN_SCRATCH_BYTES
     rodan_url: str
     rodan_timeout_s: float = PROBE_RODAN_TIMEOUT_S
+    inputs_fetch: str = DEFAULT_INPUTS_FETCH  # HPC_INPUTS_FETCH: whether the jobs need Rodan at all
     broker: BrokerAddress
     import_timeout_s: float = DEFAULT_PROBE_IMPORT_TIMEOUT_S
     continuation: ProbeContinuation | None  # None: jobs never continue (continuation_skipped says why)
@@ -402,6 +419,7 @@ class ProbeParameters:
             "min_scratch_bytes": self.min_scratch_bytes,
             "rodan_url": self.rodan_url,
             "rodan_timeout_s": self.rodan_timeout_s,
+            "inputs_fetch": self.inputs_fetch,
             "broker": asdict(self.broker),
             "import_timeout_s": self.import_timeout_s,
             "continuation": self.continuation.to_json() if self.continuation is not None else None,
@@ -423,6 +441,7 @@ class ProbeParameters:
             min_scratch_bytes=r.integer("min_scratch_bytes"),
             rodan_url=r.text("rodan_url"),
             rodan_timeout_s=r.number("rodan_timeout_s"),
+            inputs_fetch=r.choice("inputs_fetch", INPUTS_FETCH_CHOICES),
             broker=BrokerAddress.from_json(r.value("broker")),
             import_timeout_s=r.number("import_timeout_s"),
             continuation=ProbeContinuation.from_json(continuation) if continuation is not None else None,

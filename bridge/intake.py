@@ -42,6 +42,7 @@ from bridge.handoff import (
     JobParameters,
     RodanAccess,
     SchedulerAccess,
+    input_files,
 )
 from bridge.ledger import Ledger, RequestRecord, RequestState
 from bridge.protocol import (
@@ -55,10 +56,10 @@ from bridge.protocol import (
     parse_request,
 )
 from bridge.replies import ReplyBox, part_bytes_for
-from bridge.rodan import IMAGE_KINDS, InputKind, RodanClient
+from bridge.rodan import IMAGE_KINDS, SNIFF_BYTES, InputKind, RodanClient, sniff, wrong_kind
 from bridge.rodan_cancel import RUNJOB_HEADER, RodanCancels, runjob_of
 from bridge.schedulers import JobSpec, Scheduler
-from bridge.spool import Spool, atomic_write, atomic_write_json
+from bridge.spool import Spool, atomic_write, atomic_write_json, safe_key
 from bridge.version import package_version, pinned_worker_python
 
 log = structlog.get_logger(__name__)
@@ -242,6 +243,7 @@ class Intake:
                 return self._wait_for_room(record)
             token = self._get_token()
             self._check_inputs(request.inputs, request.roles)
+            self._fetch_inputs(request)  # HPC_INPUTS_FETCH=login only
             job_id = self._submit(request, record, token)
         except SchedulerRejected as exc:
             return self._reject(record, f"{self.scheduler.display_name} refused the job: {exc}. {REFUSED_HINT}")
@@ -312,6 +314,38 @@ class Intake:
             checked.add((resource, kinds))
             log.debug("input_checked", input=name, bytes=info.bytes, kind=info.kind)
 
+    def _inputs_dir(self, request: JobRequest) -> Path | None:
+        """HPC_INPUTS_FETCH=login: the request's folder of inputs in the spool; None: the job downloads them."""
+        return self.spool.inputs_dir(safe_key(request.correlation_id)) if self.config.inputs_fetch == "login" else None
+
+    def _fetch_inputs(self, request: JobRequest) -> None:
+        """HPC_INPUTS_FETCH=login: download every input now, on the login node, into the spool, where the
+        job reads them (compute nodes without a route to Rodan). The limits of a job's download apply
+        (:meth:`RodanClient.download`: Rodan's files only, HPC_MAX_INPUT_BYTES on the wire, no compressed
+        body), and each file's first bytes must be of its role's kind again: the check above read a range
+        of 16 bytes, the job opens the whole file. A TransientError defers the request (complete files stay
+        for the next attempt); a PermanentError (4xx, too large, another kind) answers it at once."""
+        folder = self._inputs_dir(request)
+        if folder is None:
+            return
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        started, total = time.monotonic(), 0
+        for name, dest in input_files(request.inputs, folder).items():
+            if dest.exists():  # downloads are atomic and checked on arrival: an earlier attempt's, whole
+                log.info("input_present", input=name, bytes=dest.stat().st_size)
+                continue
+            result = self.rodan.download(request.inputs[name], dest, max_bytes=self.config.max_input_bytes)
+            with dest.open("rb") as handle:
+                head = handle.read(SNIFF_BYTES)
+            kinds = ROLE_KINDS[request.roles.get(name, InputRole.IMAGE)]
+            if sniff(head) not in kinds:
+                dest.unlink(missing_ok=True)
+                raise PermanentError(wrong_kind(name, head, kinds))
+            total += result.bytes
+            log.info("input_fetched", input=name, bytes=result.bytes, seconds=round(result.seconds, 3))
+        seconds = round(time.monotonic() - started, 3)
+        log.info("inputs_fetched", inputs=len(request.inputs), bytes=total, seconds=seconds)
+
     def _submit(self, request: JobRequest, record: RequestRecord, token: str) -> str:
         key = record.key
         job_dir = self.spool.job_dir(key)
@@ -366,7 +400,7 @@ class Intake:
             settings=request.settings,
             rodan=RodanAccess(
                 base_url=config.rodan_base_url,
-                token=token,
+                token="" if self._inputs_dir(request) else token,  # HPC_INPUTS_FETCH=login: the job needs none
                 timeout_s=config.rodan_timeout_s,
                 retries=config.rodan_retries,
             ),
@@ -395,6 +429,7 @@ class Intake:
                 node_local_dir=config.node_local_dir,
                 sync_s=config.checkpoint_sync_s,
             ),
+            inputs_dir=self._inputs_dir(request),  # HPC_INPUTS_FETCH=login: where the job reads its inputs
             created_at=time.time(),
             bridge_pid=os.getpid(),
             bridge_version=package_version(),  # the worker warns when its own differs
@@ -432,6 +467,7 @@ class Intake:
         self.ledger.save(record)
         # A request given up on after its parameter file was written: the token must not stay on disk.
         self.spool.params_path(record.key).unlink(missing_ok=True)
+        self.spool.drop_inputs(record.key)  # HPC_INPUTS_FETCH=login's copies: no job will read them
         self.replies.stage(
             record.correlation_id,
             record.reply_to,

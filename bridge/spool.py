@@ -8,6 +8,8 @@ here: the group may pass through to ``runs/`` by name and list nothing)::
       ledger/KEY.json      the bridge's record of each request (see ledger.py)
       params/KEY.json      parameter file for the job (holds the token; the worker deletes it)
       jobs/KEY/            batch script and scheduler output of the request's job
+      jobs/KEY/inputs/     HPC_INPUTS_FETCH=login: the inputs the bridge fetched at intake (removed
+                           with the run directory's inputs/, once the final reply is out)
       outbox/KEY.{body,json}  a reply waiting to be published (see replies.py)
       replies/KEY.json     marker: the final reply of this request was published
 
@@ -24,6 +26,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -140,6 +143,14 @@ class Spool:
 
     def job_dir(self, key: str) -> Path:
         return self.root / "jobs" / key
+
+    def inputs_dir(self, key: str) -> Path:
+        """Where the bridge puts a request's inputs with HPC_INPUTS_FETCH=login (the job reads them there)."""
+        return self.job_dir(key) / "inputs"
+
+    def drop_inputs(self, key: str) -> None:
+        """Remove the inputs fetched for ``key`` (its reply is out, or it will never have a job)."""
+        shutil.rmtree(self.inputs_dir(key), ignore_errors=True)
 
     def reply_marker(self, key: str) -> Path:
         return self.replies_dir / f"{key}.json"

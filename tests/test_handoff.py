@@ -106,6 +106,7 @@ def sample() -> JobParameters:
         ),
         continuation=ContinuationState(count=2, max=3, node_local_dir=Path("/local"), sync_s=5.0),
         run_dir=Path("/lab/runs/20261126-k1"),
+        inputs_dir=spool / "jobs" / "k1" / "inputs",  # HPC_INPUTS_FETCH=login
         created_at=1764000000.5,
         bridge_pid=4321,
         bridge_version="9.9.9",
@@ -148,7 +149,7 @@ def test_a_round_trip_through_json_gives_the_same_parameters() -> None:
     raw = sample_json()
     assert JobParameters.from_json(raw) == params
     assert JobParameters.from_json(raw).to_json() == raw
-    assert raw["version"] == PARAMETERS_VERSION == 2
+    assert raw["version"] == PARAMETERS_VERSION == 3
     # The defaults round-trip too (None where the bridge sets nothing).
     plain = replace(
         params, seed=None, run_dir=None, continuation=ContinuationState(), broker=BrokerAccess(url="amqp://x")
@@ -162,7 +163,7 @@ ALL_FIELDS = list(field_paths(sample_json()))
 def test_the_field_list_covers_every_group() -> None:
     dotted = {".".join(p) for p in ALL_FIELDS}
     assert {"version", "rodan.token", "limits.max_input_pixels", "job.spec.continue_by", "settings.patience"} <= dotted
-    assert {"continuation.sync_s", "broker.ca_file", "run_dir", "bridge_version"} <= dotted
+    assert {"continuation.sync_s", "broker.ca_file", "run_dir", "inputs_dir", "bridge_version"} <= dotted
     assert len(dotted) == len(ALL_FIELDS) > 60
 
 
@@ -223,8 +224,8 @@ def test_numbers_may_be_written_as_integers() -> None:
 @pytest.mark.parametrize(
     ("version", "wanted"),
     [
-        (3, "version 3 (written by hpc-bridge 9.9.9, a newer hpc-bridge than this worker, which reads version 2)"),
-        (1, "version 1 (written by hpc-bridge 9.9.9, an older hpc-bridge than this worker, which reads version 2)"),
+        (4, "version 4 (written by hpc-bridge 9.9.9, a newer hpc-bridge than this worker, which reads version 3)"),
+        (2, "version 2 (written by hpc-bridge 9.9.9, an older hpc-bridge than this worker, which reads version 3)"),
         (None, "it has no 'version' (written by hpc-bridge 9.9.9 before parameter files had one)"),
         ("1", "field 'version' must be an integer, not a string"),
     ],

@@ -2,11 +2,12 @@
 
 parameter file (``bridge.handoff.JobParameters``; the Rodan token is removed from it once
 read) -> download every input into the run directory (from Rodan only, each at most the
-parameter file's ``limits.max_input_bytes``) -> load the page (PNG or JPEG only, at most
-``limits.max_input_pixels`` per image) -> train one model per layer, checkpointing ->
-publish the reply (models, or an error naming the step that failed). The reply is staged
-in the spool's outbox before it is published, so a broker outage only delays it: the
-bridge publishes it later.
+parameter file's ``limits.max_input_bytes``; with HPC_INPUTS_FETCH=login the bridge fetched
+them into the spool at intake, and the job reads them there without any connection) -> load
+the page (PNG or JPEG only, at most ``limits.max_input_pixels`` per image) -> train one
+model per layer, checkpointing -> publish the reply (models, or an error naming the step
+that failed). The reply is staged in the spool's outbox before it is published, so a broker
+outage only delays it: the bridge publishes it later.
 
 Warned before its time limit (see worker/continuation.py), the job checkpoints at the
 next batch, and continues in a new job that resumes from the checkpoint with the inputs
@@ -25,10 +26,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import requests
 import structlog
 
 from bridge.amqp import CONNECTION_ERRORS, connect
-from bridge.errors import BridgeError, BrokerUnavailable
+from bridge.errors import BridgeError, BrokerUnavailable, TransientError
 from bridge.handoff import TRANSIENT_RUN_FOLDERS, JobParameters
 from bridge.logs import register_secret, tee_logs_to
 from bridge.protocol import Generation, InputRole, error_reply, success_reply, without_private
@@ -107,6 +109,7 @@ def run_job(params_path: Path) -> int:
     if replies.already_replied(params.correlation_id):
         log.warning("already_replied", note="this request was answered before; nothing to do")
         params_path.unlink(missing_ok=True)
+        _drop_fetched(params)
         return 0
     warning = TimeLimitWarning.from_environment().install()
     try:
@@ -127,6 +130,7 @@ def run_job(params_path: Path) -> int:
         log.error("job_failed", step="starting", error=_describe(exc, params))
         deliver(replies, params, error_reply(f"the training job failed while starting: {_describe(exc, params)}"))
         params_path.unlink(missing_ok=True)
+        _drop_fetched(params)
         return 1
     tee_logs_to(run_dir.log_path)
     run_dir.share()  # the log (0600 when opened) too, where the group may read the run
@@ -179,7 +183,7 @@ def run_job(params_path: Path) -> int:
         done["trained_on"] = f"{params.settings.patch_height}x{params.settings.patch_width} patches"
     log.info("job_trained", ok=ok, seconds=round(time.monotonic() - started, 1), reply_bytes=len(body), **done)
     deliver(replies, params, body)
-    finish(params_path, run_dir.path)
+    finish(params_path, run_dir.path, params.inputs_dir)
     return 0 if ok else 1
 
 
@@ -281,11 +285,14 @@ def forget_token(params_path: Path, params: JobParameters, *, keep_file: bool) -
     return stored
 
 
-def finish(params_path: Path, run_dir: Path) -> None:
-    """The request is answered: drop what only a continuation needed."""
+def finish(params_path: Path, run_dir: Path, inputs_dir: Path | None = None) -> None:
+    """The request is answered: drop what only a continuation needed (and the inputs the bridge
+    fetched into the spool, ``inputs_dir``, with HPC_INPUTS_FETCH=login)."""
     params_path.unlink(missing_ok=True)
     for name in TRANSIENT_RUN_FOLDERS:
         shutil.rmtree(run_dir / name, ignore_errors=True)
+    if inputs_dir is not None:
+        shutil.rmtree(inputs_dir, ignore_errors=True)
 
 
 def train_settings(params: JobParameters) -> TrainSettings:
@@ -320,25 +327,14 @@ def train(
     """Download (or find), load, train; returns reply key -> HDF5 bytes. Raises StepFailed.
 
     Inputs go to the run directory's ``inputs/`` (persistent: a continuation finds them
-    there), or to ``workdir`` without a run directory. ``story`` (the Log File) hears of the
-    pages and of every epoch.
+    there), or to ``workdir`` without a run directory; with HPC_INPUTS_FETCH=login the bridge
+    fetched them into ``params.inputs_dir`` and nothing connects to Rodan. ``story`` (the Log
+    File) hears of the pages and of every epoch.
     """
-    access = params.rodan
-    rodan = RodanClient(access.base_url, token=access.token, timeout_s=access.timeout_s, retries=access.retries)
-    inputs_dir = run_dir.path / "inputs" if run_dir is not None else workdir
-    inputs_dir.mkdir(mode=0o700, exist_ok=True)
-    files: dict[str, Path] = {}
-    for index, (name, resource) in enumerate(sorted(params.inputs.items())):
-        dest = inputs_dir / f"input-{index}"
-        files[name] = dest
-        if dest.exists():  # downloads are atomic: a file that exists is complete
-            log.info("input_present", input=name, bytes=dest.stat().st_size)
-            continue
-        try:
-            result = rodan.download(resource, dest, max_bytes=params.limits.max_input_bytes)
-        except Exception as exc:
-            raise StepFailed(f"downloading {name!r}", exc) from exc
-        log.info("input_downloaded", input=name, bytes=result.bytes, seconds=round(result.seconds, 3))
+    if params.inputs_dir is not None:
+        files = fetched_inputs(params, params.inputs_dir)
+    else:
+        files = download_inputs(params, run_dir.path / "inputs" if run_dir is not None else workdir)
 
     if params.generation is Generation.RODAN3:
         pages, reply_keys, starting = read_rodan3_inputs(params, files, workdir)
@@ -395,6 +391,65 @@ def train(
     except Exception as exc:
         raise StepFailed("training", exc) from exc
     return {reply_keys[label]: Path(paths[label]).read_bytes() for label in reply_keys}
+
+
+def download_inputs(params: JobParameters, inputs_dir: Path) -> dict[str, Path]:
+    """Every input from Rodan into ``inputs_dir`` (a file already there is complete: downloads are
+    atomic); input name -> file. Raises StepFailed, saying so when this node cannot reach Rodan."""
+    from bridge.handoff import input_files
+
+    access = params.rodan
+    rodan = RodanClient(access.base_url, token=access.token, timeout_s=access.timeout_s, retries=access.retries)
+    inputs_dir.mkdir(mode=0o700, exist_ok=True)
+    files = input_files(params.inputs, inputs_dir)
+    for name, dest in files.items():
+        if dest.exists():
+            log.info("input_present", input=name, bytes=dest.stat().st_size)
+            continue
+        try:
+            result = rodan.download(params.inputs[name], dest, max_bytes=params.limits.max_input_bytes)
+        except Exception as exc:
+            if not _unreachable(exc):
+                raise StepFailed(f"downloading {name!r}", exc) from exc
+            cause = TransientError(
+                f"this compute node could not reach Rodan at {access.base_url} ({exc}); where the compute nodes "
+                f"have no route to Rodan, {INPUTS_FETCH_FIX}"
+            )
+            raise StepFailed(f"downloading {name!r}", cause) from exc
+        log.info("input_downloaded", input=name, bytes=result.bytes, seconds=round(result.seconds, 3))
+    return files
+
+
+#: What to do where compute nodes cannot reach Rodan (the reply and the log say it).
+INPUTS_FETCH_FIX = "the operator sets HPC_INPUTS_FETCH=login, and the bridge fetches the inputs on the login node"
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """Whether a download failed without any answer from Rodan: no route, a refused connection or
+    proxy, a failed TLS handshake, a connect timeout (requests' ConnectionError, behind the
+    client's TransientError); not a 5xx, a slow answer or a cut-off body."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, requests.ConnectionError):
+            return True
+        seen = seen.__cause__
+    return False
+
+
+def fetched_inputs(params: JobParameters, folder: Path) -> dict[str, Path]:
+    """HPC_INPUTS_FETCH=login: the inputs the bridge fetched into ``folder`` at intake (checked
+    there against HPC_MAX_INPUT_BYTES and their kind; opened below with every other check)."""
+    from bridge.handoff import input_files
+
+    files = input_files(params.inputs, folder)
+    for name, path in files.items():
+        if not path.is_file():
+            reason = ValueError(
+                f"{name!r} is not in {folder}, where the bridge fetched every input at intake (HPC_INPUTS_FETCH=login)"
+            )
+            raise StepFailed("reading the inputs fetched on the login node", reason)
+        log.info("input_present", input=name, bytes=path.stat().st_size, fetched="login")
+    return files
 
 
 def read_page_inputs(params: JobParameters, files: Mapping[str, Path]) -> list[Page]:
@@ -498,6 +553,12 @@ def _describe(exc: BaseException, params: JobParameters) -> str:
     text = str(exc) if isinstance(exc, (BridgeError, ValueError)) else f"{type(exc).__name__}: {exc}"
     paths = {str(params.spool): "<spool>", str(params.runs_dir): "<runs>", str(Path.home()): "<home>"}
     return without_private(text, paths, {})
+
+
+def _drop_fetched(params: JobParameters) -> None:
+    """The request is answered: the inputs the bridge fetched for it (HPC_INPUTS_FETCH=login) go."""
+    if params.inputs_dir is not None:
+        shutil.rmtree(params.inputs_dir, ignore_errors=True)
 
 
 def _password(url: str) -> str:

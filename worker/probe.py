@@ -10,7 +10,9 @@ training job needs there:
 - worker: the worker environment imports ``worker.trainer`` and TensorFlow, and TensorFlow sees
   the GPUs the job was given;
 - scratch: node-local scratch for checkpoints exists, takes a file and has room;
-- rodan: Rodan answers an unauthenticated GET over HTTP(S) (the worker downloads the inputs);
+- rodan: Rodan answers an unauthenticated GET over HTTP(S) (the worker downloads the inputs,
+  unless HPC_INPUTS_FETCH=login has the bridge fetch them on the login node: then a node without a
+  route is fine, and said so);
 - broker: the broker's port accepts a TCP connection (else the outbox carries the replies);
 - continue: the job may continue itself as a training job does (Slurm requeue, or a successor
   job submitted from the node; the successor is cancelled at once).
@@ -343,12 +345,33 @@ def check_scratch(params: ProbeParameters, result: ProbeResult) -> Finding:
 # --- Rodan and the broker, over the network ----------------------------------------------------
 
 
+#: What check_rodan's finding says when the node cannot reach Rodan and HPC_INPUTS_FETCH=login.
+FETCHED_ON_LOGIN = (
+    "HPC_INPUTS_FETCH=login: the bridge fetches every input on the login node, so the jobs need no route to Rodan"
+)
+
+
 def check_rodan(params: ProbeParameters, result: ProbeResult) -> Finding:
+    """Whether the node reaches Rodan; with HPC_INPUTS_FETCH=login, not reaching it is fine (the
+    login side's doctor adds, from its own check of Rodan, which setting the site needs)."""
+    found = _reach_rodan(params)
+    if params.inputs_fetch != "login":
+        return found
+    if found.status == "ok":
+        return ok(
+            f"{found.found}; HPC_INPUTS_FETCH=login is not needed here (with node, the jobs download their "
+            "inputs and the login node keeps none in the spool)"
+        )
+    return ok(f"{found.found}; {FETCHED_ON_LOGIN}")
+
+
+def _reach_rodan(params: ProbeParameters) -> Finding:
     url = params.rodan_url.rstrip("/") + "/api/auth/me/"
     timeout = params.rodan_timeout_s
     fix = (
-        "the worker downloads the inputs from Rodan inside the job: open the route from the nodes to RODAN_HOST, "
-        "or export the site's proxy (HTTPS_PROXY=...) in HPC_JOB_PROLOGUE"
+        "the worker downloads the inputs from Rodan inside the job (HPC_INPUTS_FETCH=node): open the route from the "
+        "nodes to RODAN_HOST, export the site's proxy (HTTPS_PROXY=...) in HPC_JOB_PROLOGUE, or set "
+        "HPC_INPUTS_FETCH=login so that the bridge fetches the inputs on the login node"
     )
     with requests.Session() as session:  # honours HTTPS_PROXY and REQUESTS_CA_BUNDLE as the worker does
         try:

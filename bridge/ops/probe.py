@@ -131,7 +131,32 @@ def doctor_checks(config: BridgeConfig | None, earlier: Sequence[Check], options
     for premise in ("scheduler", "template"):
         if status.get(premise) == "FAIL":
             return skipped(f"the {premise} check failed")
-    return run_probe(config, options)
+    return advise_inputs_fetch(run_probe(config, options), login_reaches_rodan=status.get("rodan") == "ok")
+
+
+#: The line that makes the bridge fetch the inputs on the login node (docs/operator-guide.md).
+INPUTS_FETCH_LOGIN_LINE = "HPC_INPUTS_FETCH=login"
+
+
+def advise_inputs_fetch(checks: list[Check], *, login_reaches_rodan: bool) -> list[Check]:
+    """Which HPC_INPUTS_FETCH the site needs, on the node-rodan line: a node that does not reach Rodan
+    while the login node does (doctor's own rodan check) needs the bridge to fetch the inputs there.
+    With HPC_INPUTS_FETCH=login the node's finding already says whether the jobs need Rodan."""
+    for check in checks:
+        if check.name != "node-rodan" or check.status != "FAIL":
+            continue
+        if login_reaches_rodan:
+            check.fix = (
+                "the login node reaches Rodan (the rodan check) and this compute node does not: put the line "
+                f"{INPUTS_FETCH_LOGIN_LINE} in the credentials file, and the bridge fetches every input on the "
+                f"login node at intake (docs/operator-guide.md); or else {check.fix}"
+            )
+        else:
+            check.fix = (
+                f"{check.fix}; the login node does not reach Rodan either (the rodan check): fix that first, "
+                f"as {INPUTS_FETCH_LOGIN_LINE} needs it"
+            )
+    return checks
 
 
 def skipped(why: str) -> list[Check]:
@@ -192,6 +217,7 @@ def probe_parameters(
         min_scratch_bytes=options.min_scratch_bytes,
         rodan_url=config.rodan_base_url,
         rodan_timeout_s=min(config.rodan_timeout_s, PROBE_RODAN_TIMEOUT_S),
+        inputs_fetch=config.inputs_fetch,  # HPC_INPUTS_FETCH: login needs no route from the node
         broker=BrokerAddress(host=host, port=port),
         continuation=continuation,
         continuation_skipped=skipped_why,
