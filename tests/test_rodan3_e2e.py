@@ -1,7 +1,10 @@
 """A Rodan 3.x user's path, end to end: the real Rodan 3.1.0 with our job package
 (tests/support/rodan_job.py), the real broker, the real bridge (cron passes of ``hpc-bridge check``
 with ``HPC_SCHEDULER=slurm``), Slurm, the real worker training in a Slurm job, and Rodan's own
-classifier code (consumers/) on what comes back.
+classifier code (consumers/) on what comes back. As a site that followed the guides has it: the
+HPC traffic on a vhost of its own, the job and the bridge (and the worker's replies) each under the
+account with exactly the rights the guides give, and the default queue names (``hpc-jobs``,
+``hpc-results.<RunJob uuid>``, ``hpc-bridge.dead-letter``, ``hpc-bridge.status``).
 
 One scenario, run once for the module (``scenario``): through Rodan's REST API a user makes a project,
 uploads Pixel.js sample zips (and a starting model) and runs workflows of the job. Six workflow runs
@@ -195,23 +198,19 @@ def kill_now(scenario: Scenario, corrs: list[str]) -> bool:
 
 
 @pytest.fixture(scope="module")
-def scenario(
-    rodan_with_job: RodanWithJob, broker_url: str, slurm: None, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Scenario]:
+def scenario(rodan_with_job: RodanWithJob, slurm: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scenario]:
     t0 = time.monotonic()
     rodan = rodan_with_job
     tmp = tmp_path_factory.mktemp("rodan3-e2e")
-    queues = Queues.fresh()
-    queues = Queues(rodan.request_queue, queues.reply, queues.dead)
+    # A site's names (the guides' and the bridge's defaults), on the session's HPC vhost; the bridge
+    # runs as the guides' bridge account, the test looks with the admin's.
+    queues = Queues(rodan.request_queue, "hpc-results", "hpc-bridge.dead-letter")
     env = {
-        "RABBITMQ_URL": broker_url,
+        "RABBITMQ_URL": rodan.bridge_broker_url,
         "RODAN_HOST": rodan.host_port,
         "RODAN_SCHEME": "http",
         "RODAN_EMAIL": rodan.email,
         "RODAN_PASSWORD": rodan.password,
-        "HPC_REQUEST_QUEUE": queues.request,
-        "HPC_REPLY_QUEUE": f"{queues.reply}, hpc-results.*",  # the job's run queues: hpc-results.<RunJob uuid>
-        "HPC_DEAD_LETTER_QUEUE": queues.dead,
         "HPC_SPOOL_DIR": str(tmp / "spool"),
         "HPC_WORKER_PYTHON": sys.executable,
         "HPC_SCHEDULER": "slurm",
@@ -220,7 +219,7 @@ def scenario(
         "HPC_RODAN_RETRIES": "2",
         "HPC_LOG_FILE": str(tmp / "bridge.log"),
     }
-    harness = Harness(env, tmp / "spool", Rodan(broker_url, queues), Cluster("slurm"))
+    harness = Harness(env, tmp / "spool", Rodan(rodan.admin_broker_url, queues), Cluster("slurm"))
     session = rodan.session()
     pages = tmp / "pages"
     scenario = Scenario(rodan, harness, session, {}, pages, {})
@@ -253,7 +252,7 @@ def scenario(
             rodan.reply_queues.append(f"hpc-results.{run.corr}")
             if run.name == "bridge down":
                 # No bridge pass runs while its request is in the queue; it leaves the queue now.
-                properties, request = take_request(broker_url, rodan.request_queue, 180)
+                properties, request = take_request(rodan.admin_broker_url, rodan.request_queue, 180)
                 assert properties.correlation_id == run.corr, "the first request is the bridge-down run's"
                 scenario.silent_request = {"properties": properties, "body": request}
 
@@ -287,9 +286,9 @@ def scenario(
         yield scenario
     finally:
         harness.teardown()
-        with contextlib.suppress(pika.exceptions.AMQPError):
-            connection = pika.BlockingConnection(pika.URLParameters(broker_url))
-            for name in (queues.reply, queues.dead):
+        with contextlib.suppress(pika.exceptions.AMQPError):  # the next module's bridge starts afresh
+            connection = pika.BlockingConnection(pika.URLParameters(rodan.admin_broker_url))
+            for name in (queues.dead, "hpc-bridge.status"):
                 with contextlib.suppress(pika.exceptions.ChannelClosedByBroker):
                     connection.channel().queue_delete(queue=name)
             connection.close()

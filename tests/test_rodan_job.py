@@ -107,6 +107,9 @@ def test_rodans_own_job_tests_pass_for_the_job(rodan_with_job: RodanWithJob) -> 
     bridge does (two parts, out of order) and compares every output."""
     pid = rodan_with_job.worker_pid()
     environ = dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
+    # test_my_task plays the bridge as well (its own request queue): the job's account may not, so
+    # it runs with the admin's account on the same vhost (rodan_job/README.md, Tests).
+    environ["HPC_RABBITMQ_URL"] = rodan_with_job.admin_broker_url
     python = Path(f"/proc/{pid}/cmdline").read_text().split("\0")[0]
     code = rodan_with_job.state_dir / "code"
     module = code / "rodan" / "test" / "test_hpc_job_alone.py"

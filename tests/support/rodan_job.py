@@ -4,10 +4,14 @@ with it through Rodan's REST API is ``bridge.testing.rodan_api`` (as the demo do
 One Rodan per test process: the session fixture ``rodan_with_job`` (registered by tests/conftest.py,
 which gives its tests the ``rodan`` marker) brings it up with ``deploy/dev/rodan.sh up --job-package``
 in a state directory, database, vhost and Redis db of its own, and takes it down at the end of the
-session. Its Python3 worker reads the job's settings from its environment (:data:`WORKER_SETTINGS`):
-a request queue of the session's own, a short poll, and a silence bound short enough that a run whose
-``Maximum time`` is ``0-00:01`` fails within minutes when no bridge answers (continuations 0, pending
-and slack seconds), while a run with a longer ``Maximum time`` keeps a long bound.
+session. The HPC traffic has a vhost of the session's own too, with the accounts the guides give
+(tests/support/broker_rights.py: the job's and the bridge's, with exactly the rights read from
+rodan_job/README.md) and the guides' queue names (``hpc-jobs``, ``hpc-results.<RunJob uuid>``,
+``hpc-bridge.*``); it is deleted at the end. Its Python3 worker reads the job's settings from its
+environment (:data:`WORKER_SETTINGS`): the broker as the job's account, a short poll, and a silence
+bound short enough that a run whose ``Maximum time`` is ``0-00:01`` fails within minutes when no
+bridge answers (continuations 0, pending and slack seconds), while a run with a longer
+``Maximum time`` keeps a long bound.
 
 Every module that uses it is in the xdist group :data:`GROUP`, so under ``--dist loadgroup`` they run
 in one worker, one after another, against the same Rodan.
@@ -15,14 +19,12 @@ in one worker, one after another, against the same Rodan.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import signal
 import subprocess
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,11 +35,16 @@ import pika
 import pytest
 
 from bridge.testing.rodan_api import Api
+from tests.support.broker_rights import BRIDGE_USER, JOB_USER, RightsVhost, documented_rights, rights_vhost
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "rodan_job" / "hpc_paco_trainer"
 RODAN_SH = REPO / "deploy" / "dev" / "rodan.sh"
 JOB_NAME = "Training model for Patchwise Analysis of Music Document, HPC"
+#: The guide whose broker rights the job's and the bridge's accounts get.
+JOB_GUIDE = REPO / "rodan_job" / "README.md"
+#: The request queue, as the guides name it (in the session's own vhost).
+REQUEST_QUEUE = "hpc-jobs"
 #: The xdist group of every module that uses the shared Rodan (one worker runs them all).
 GROUP = "rodan-with-job"
 #: The Python3 worker's HPC_POLL_SECONDS: seconds between two polls of a waiting run.
@@ -64,6 +71,14 @@ class RodanWithJob:
     request_queue: str
     env: dict[str, str] = field(repr=False)
     reply_queues: list[str] = field(default_factory=list)
+    #: The HPC traffic's vhost (the session's own; deleted at the end).
+    hpc_vhost: str = ""
+    #: The Rodan job's account (the worker's HPC_RABBITMQ_URL), with the guides' rights on hpc_vhost.
+    job_broker_url: str = field(default="", repr=False)
+    #: The bridge's account, with the guides' rights on hpc_vhost: a test's bridge uses it.
+    bridge_broker_url: str = field(default="", repr=False)
+    #: The tests' own account, with every right on hpc_vhost: for inspection and cleanup only.
+    admin_broker_url: str = field(default="", repr=False)
 
     @property
     def host_port(self) -> str:
@@ -159,14 +174,26 @@ def rodan_env(state: Path, broker_url: str, request_queue: str) -> dict[str, str
 
 @pytest.fixture(scope="session")
 def rodan_with_job(tmp_path_factory: pytest.TempPathFactory, broker_url: str) -> Iterator[RodanWithJob]:
-    """The session's Rodan with the job package (``down`` at the end; the request queue and every
-    run queue a test noted in ``reply_queues`` are deleted)."""
+    """The session's Rodan with the job package, its worker on the HPC vhost as the job's account
+    (``down`` at the end; then the vhost, with every queue in it, and the accounts are deleted)."""
     if os.geteuid() != 0:
         pytest.fail("the real Rodan (deploy/dev/rodan.sh) needs root on the dev machine", pytrace=False)
     state = tmp_path_factory.mktemp("rodan-job") / "rodan"
-    queue = f"hpc-jobs.rodan-job-e2e-{uuid.uuid4().hex}"
-    env = rodan_env(state, broker_url, queue)
-    rodan = RodanWithJob("", "", "", state, queue, env)
+    rights = documented_rights(JOB_GUIDE).rights
+    with rights_vhost(broker_url, rights[BRIDGE_USER], rights[JOB_USER], tag="rodan-hpc") as accounts:
+        yield from _rodan_with_job(state, accounts)
+
+
+def _rodan_with_job(state: Path, accounts: RightsVhost) -> Iterator[RodanWithJob]:
+    queue = REQUEST_QUEUE
+    env = rodan_env(state, accounts.job_url, queue)
+    rodan = RodanWithJob(
+        "", "", "", state, queue, env,
+        hpc_vhost=accounts.vhost,
+        job_broker_url=accounts.job_url,
+        bridge_broker_url=accounts.bridge_url,
+        admin_broker_url=accounts.admin_url,
+    )  # fmt: skip
     try:
         rodan.up()
         values = dict(
@@ -180,12 +207,6 @@ def rodan_with_job(tmp_path_factory: pytest.TempPathFactory, broker_url: str) ->
         yield rodan
     finally:
         subprocess.run(["bash", str(RODAN_SH), "down"], env=env, capture_output=True, timeout=300)
-        with contextlib.suppress(pika.exceptions.AMQPError):
-            connection = pika.BlockingConnection(pika.URLParameters(broker_url))
-            for name in [queue, *rodan.reply_queues]:  # a run that failed leaves its queue until x-expires
-                with contextlib.suppress(pika.exceptions.ChannelClosedByBroker):
-                    connection.channel().queue_delete(queue=name)
-            connection.close()
 
 
 # --- the broker's side -------------------------------------------------------------------------------
