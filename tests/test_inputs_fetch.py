@@ -298,11 +298,11 @@ def test_the_job_reads_the_fetched_files_and_says_which_one_is_missing(tmp_path:
 
 
 def test_a_node_without_a_route_to_rodan_gets_an_error_naming_the_setting(
-    tmp_path: Path, standin: RodanStandin
+    tmp_path: Path, standin: RodanStandin, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Node mode, Rodan refused (a closed port): the reply says the node could not reach Rodan and
-    names HPC_INPUTS_FETCH=login; a 404 from a reachable Rodan does not. Mutations caught: the
-    advice never given, or given for answers Rodan did send."""
+    """Node mode, Rodan refused (a closed port, or a proxy that refuses): the reply says the node
+    could not reach Rodan and names HPC_INPUTS_FETCH=login; a 404 or a reset from a Rodan that was
+    reached does not. Mutations caught: the advice never given, or given for answers Rodan did send."""
     from worker.job import StepFailed, download_inputs
 
     inputs = make_sample_page(standin.uploads_dir, generation="new", n_layers=1, height=64, width=64, seed=13)
@@ -317,6 +317,17 @@ def test_a_node_without_a_route_to_rodan_gets_an_error_naming_the_setting(
     with pytest.raises(StepFailed) as refused:
         download_inputs(reachable, tmp_path / "b")
     assert "HTTP 404" in str(refused.value.cause) and "HPC_INPUTS_FETCH" not in str(refused.value.cause)
+    standin.reset_next(1, downloads_only=True)  # connected, then cut: Rodan was reached
+    with pytest.raises(StepFailed) as reset:
+        download_inputs(reachable, tmp_path / "c")
+    assert "ConnectionError" in str(reset.value.cause) and "HPC_INPUTS_FETCH" not in str(reset.value.cause)
+    with monkeypatch.context() as env:  # a proxy that refuses, as the Slurm test's prologue sets
+        for name in ("NO_PROXY", "no_proxy"):
+            env.delenv(name, raising=False)
+        env.setenv("http_proxy", "http://127.0.0.1:9")
+        with pytest.raises(StepFailed) as proxied:
+            download_inputs(reachable, tmp_path / "d")
+    assert "ProxyError" in str(proxied.value.cause) and "HPC_INPUTS_FETCH=login" in str(proxied.value.cause)
 
 
 def test_the_fetched_inputs_go_with_the_run_directorys_when_the_reply_is_out(tmp_path: Path) -> None:

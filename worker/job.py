@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import requests
 import structlog
+import urllib3
 
 from bridge.amqp import CONNECTION_ERRORS, connect
 from bridge.errors import BridgeError, BrokerUnavailable, TransientError
@@ -432,6 +433,9 @@ def _unreachable(exc: BaseException) -> bool:
     while seen is not None:
         if isinstance(seen, requests.ConnectionError):
             return True
+        if isinstance(seen, requests.ConnectionError):
+            reason = getattr(seen.args[0], "reason", None) if seen.args else None
+            return isinstance(reason, urllib3.exceptions.NewConnectionError)
         seen = seen.__cause__
     return False
 
