@@ -426,12 +426,12 @@ INPUTS_FETCH_FIX = "the operator sets HPC_INPUTS_FETCH=login, and the bridge fet
 
 
 def _unreachable(exc: BaseException) -> bool:
-    """Whether a download failed without any answer from Rodan: no route, a refused connection or
-    proxy, a failed TLS handshake, a connect timeout (requests' ConnectionError, behind the
-    client's TransientError); not a 5xx, a slow answer or a cut-off body."""
+    """Whether a download failed before any connection to Rodan: no route, no name, a refused
+    connection or proxy, a failed TLS handshake, a connect timeout (behind the client's
+    TransientError); not a 5xx, a slow answer, a reset or a cut-off body from a Rodan reached."""
     seen: BaseException | None = exc
     while seen is not None:
-        if isinstance(seen, requests.ConnectionError):
+        if isinstance(seen, (requests.exceptions.ProxyError, requests.exceptions.SSLError, requests.ConnectTimeout)):
             return True
         if isinstance(seen, requests.ConnectionError):
             reason = getattr(seen.args[0], "reason", None) if seen.args else None
