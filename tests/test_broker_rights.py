@@ -212,6 +212,8 @@ def test_each_account_is_refused_what_it_does_not_do(box: RightsVhost, broker_ur
         assert f"ACCESS_REFUSED - access to queue '{queue}'" in refused(box.bridge_url, operation, queue), (
             f"the bridge's account may {operation} {queue}"
         )
+    # The daemon (hpc-bridge run) consumes the request queue where a cron pass uses basic_get.
+    assert refused(box.bridge_url, "consume", REQUEST_QUEUE) == ""
     # A retried run's queue (hpc-results.<uuid>.<n>) is the job's to declare and read like any other.
     retried = f"{job.reply_queue}.2"
     assert refused(box.job_url, "declare", retried) == ""
