@@ -121,6 +121,7 @@ def child(spec_path: Path) -> int:
     sys.path.insert(0, str(REPO))
     from worker import memory, onednn
 
+    onednn.remember(onednn.tuning_dir())  # the record doctor --job makes on a node (once)
     onednn.choose(onednn.tuning_dir())  # before TensorFlow is imported, as the worker does
     from worker.trainer._keras import keras
 

@@ -31,6 +31,7 @@ from tests.support.broker import Queues
 from tests.support.cluster import Cluster
 from tests.support.tls_proxy import tls_proxy
 from tests.support.wait import wait_until
+from worker import onednn
 from worker.probe import judge_gpus, scratch_candidates
 
 pytestmark = [pytest.mark.broker]
@@ -133,11 +134,21 @@ def test_doctor_job_passes(
     queues: Queues,
     tmp_path: Path,
 ) -> None:
-    """Rodan over HTTPS with the site's own CA, which the jobs learn from the prologue (as a site would)."""
+    """Rodan over HTTPS with the site's own CA, which the jobs learn from the prologue (as a site would).
+
+    The node-worker check makes the oneDNN record the jobs read (in the prologue's HPC_TUNING_DIR): on
+    Slurm, where none exists, it measures; on Grid Engine it finds the one given and does not measure
+    again (catches a probe that never tunes, or one that measures what was measured)."""
     host, cert = rodan_https
     env = bridge_environ(broker_url, standin, queues, tmp_path / "spool", HPC_SCHEDULER=cluster.name)
     env.update(RODAN_SCHEME="https", RODAN_HOST=host, HPC_GPU_RULES="none", REQUESTS_CA_BUNDLE=str(cert))
-    env["HPC_JOB_PROLOGUE"] = f"export REQUESTS_CA_BUNDLE={cert}"
+    tuning = tmp_path / "tuning"
+    env["HPC_JOB_PROLOGUE"] = f"export REQUESTS_CA_BUNDLE={cert} HPC_TUNING_DIR={tuning}"
+    record = tuning / f"onednn-{onednn.cpu_key()}.json"  # this interpreter is HPC_WORKER_PYTHON
+    if cluster.name == "gridengine":
+        tuning.mkdir()
+        versions = {"tensorflow": onednn.tensorflow_version(), "python": onednn.python_version()}
+        record.write_text(json.dumps({"setting": "0", "step_s": {"0": 1.0, "1": 2.0}, "measured": 1.0, **versions}))
     result = run_bridge(
         env, "doctor", "--job", "--json", "--skip-worker", "--job-timeout", "240", "--job-memory", "2048", timeout=300
     )
@@ -148,6 +159,16 @@ def test_doctor_job_passes(
         assert checks[name]["status"] == "ok", (name, checks[name], result.stderr[-2000:])
     assert "with the bridge's batch template" in checks["probe-job"]["found"]
     assert "0 of the 0 GPU(s) asked visible to TensorFlow" in checks["node-worker"]["found"]
+    tuned = json.loads(record.read_text())
+    if cluster.name == "gridengine":
+        assert (
+            f"oneDNN off for this kind of node (a step: 1.000 s off, 2.000 s on), measured before, in {record}"
+            in (checks["node-worker"]["found"])
+        )
+        assert tuned["step_s"] == {"0": 1.0, "1": 2.0}  # not measured again
+    else:
+        assert f"measured now, in {record}" in checks["node-worker"]["found"], checks["node-worker"]
+        assert tuned["setting"] in ("0", "1") and tuned["step_s"]["0"] > 0 and tuned["step_s"]["1"] > 0
     assert f"GET https://{host}/api/auth/me/ answered 401 from the node" in checks["node-rodan"]["found"]
     assert "lock the login node holds is seen from the node" in checks["node-lock"]["found"]
     continued = checks["node-continue"]["found"]

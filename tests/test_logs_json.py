@@ -23,7 +23,7 @@ import pytest
 from bridge.logs import native_severity
 from bridge.spool import Spool, atomic_write_json
 from tests.support.bridge import REPO, job_parameters_json
-from worker.onednn import cpu_key
+from worker.onednn import cpu_key, python_version, tensorflow_version
 
 SECRET = "s3cr3t-Hunter2-pass"  # registered as the bridge registers its passwords
 
@@ -192,17 +192,24 @@ def test_tee_to_the_run_directory_carries_library_lines_too(tmp_path: Path) -> N
 
 
 @pytest.mark.broker
-@pytest.mark.parametrize("onednn", ["1", "0"])
+@pytest.mark.parametrize("onednn", ["1", "0", "no record"])
 def test_the_real_worker_writes_only_json(tmp_path: Path, standin: Any, onednn: str) -> None:
     """``python -m worker run`` as the batch script runs it, at DEBUG: it imports TensorFlow, downloads
     from the stand-in (urllib3's lines), fails on a missing input and cannot reach the broker. Its
     standard output is JSON throughout, and nothing (no TensorFlow start-up line) is on stderr,
     whichever oneDNN setting this node's cached measurement chose (with "1", TensorFlow's C++ start-up
-    prints absl's pre-init lines on file descriptor 2: they become ``native_stderr`` events)."""
+    prints absl's pre-init lines on file descriptor 2: they become ``native_stderr`` events).
+
+    The job starts without measuring oneDNN: it reads the record ("1", "0"), or, with none, keeps
+    TensorFlow's default and says so (catches a job start that measures again, or at all)."""
     tuning = tmp_path / "tuning"
     tuning.mkdir()
-    measured = {"setting": onednn, "step_s": {"0": 1.0, "1": 0.5 if onednn == "1" else 2.0}, "measured": 1.0}
-    (tuning / f"onednn-{cpu_key()}.json").write_text(json.dumps(measured) + "\n")  # as worker/onednn.py reads it
+    if onednn != "no record":
+        step_s = {"0": 1.0, "1": 0.5 if onednn == "1" else 2.0}
+        versions = {"tensorflow": tensorflow_version(), "python": python_version()}
+        measured = {"setting": onednn, "step_s": step_s, "measured": 1.0, **versions}
+        (tuning / f"onednn-{cpu_key()}.json").write_text(json.dumps(measured) + "\n")  # as worker/onednn.py reads it
+    before = sorted(p.name for p in tuning.iterdir())
     spool = Spool(tmp_path / "spool").ensure()
     token = standin.user("hpc@example.org").token
     raw = job_parameters_json(
@@ -231,14 +238,20 @@ def test_the_real_worker_writes_only_json(tmp_path: Path, standin: Any, onednn: 
     assert result.stderr == "", "TensorFlow or a library wrote plain text to stderr"
     lines = json_lines(result.stdout, "the worker's standard output")
     events = [line["event"] for line in lines]
-    (chosen,) = [line for line in lines if line["event"] == "onednn_chosen"]
-    assert chosen["setting"] == onednn, "the cached measurement decided"
+    assert "onednn_measured" not in events and sorted(p.name for p in tuning.iterdir()) == before
     native = [line for line in lines if line["event"] == "native_stderr"]
     assert all(line["component"] == "worker" and line["line"].strip() for line in native), native
     notices = [line for line in native if "oneDNN custom operations are on" in line["line"]]
+    if onednn == "no record":
+        (default,) = [line for line in lines if line["event"] == "onednn_default"]
+        assert "no measurement" in default["reason"] and "hpc-bridge doctor --job" in default["note"], default
+        assert "onednn_chosen" not in events, events
+    else:
+        (chosen,) = [line for line in lines if line["event"] == "onednn_chosen"]
+        assert chosen["setting"] == onednn, "the cached measurement decided"
     if onednn == "1":  # TensorFlow 2.21's absl line from before InitializeLog, as an info event
         assert notices and all(line["level"] == "info" for line in notices), native
-    else:
+    elif onednn == "0":
         assert notices == [], native
     assert "reply_left_in_outbox" in events, events
     http = by_logger(lines, "urllib3.connectionpool")

@@ -314,6 +314,30 @@ def test_the_build_job_script_quotes_every_value(tmp_path: Path) -> None:
     ]
 
 
+def test_the_build_job_tunes_onednn_and_a_failed_tune_does_not_fail_the_build(tmp_path: Path) -> None:
+    """The build job runs ``hpc-worker tune`` in the new environment (the oneDNN record its jobs read,
+    so that they never measure); when tune fails the build still ends well, saying so. Catches a script
+    without the tune step, or one that stops (set -e) at a failed tune."""
+    new, out, calls = tmp_path / "worker-2", tmp_path / "out", tmp_path / "calls"
+    out.mkdir()
+    stub = (  # the new environment's hpc-worker: tune fails, --version answers
+        f'#!/bin/sh\necho "hpc-worker $*" >> {shlex.quote(str(calls))}\n'
+        '[ "$1" = tune ] && exit 1\necho "hpc-worker 9.9.9"\n'
+    )
+    interpreter = tmp_path / "python"  # "-I -m venv NEW" makes NEW/bin with a python and the stub
+    interpreter.write_text(
+        '#!/bin/sh\nmkdir -p "$4/bin" && printf "#!/bin/sh\\nexit 0\\n" > "$4/bin/python" && '
+        f'printf %s {shlex.quote(stub)} > "$4/bin/hpc-worker" && chmod +x "$4/bin/python" "$4/bin/hpc-worker"\n'
+    )
+    interpreter.chmod(0o755)
+    script = build_script(new, "hpc-bridge[worker]", "worker", interpreter, [], out)
+    ran = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert calls.read_text().splitlines() == ["hpc-worker tune", "hpc-worker --version"]
+    assert "hpc-worker tune failed: jobs keep TensorFlow's default oneDNN setting" in ran.stdout
+    assert (out / "built-version").read_text().strip() == "hpc-worker 9.9.9"
+
+
 def test_a_build_job_never_carries_a_password(tmp_path: Path) -> None:
     config = load_config(
         environ={

@@ -26,9 +26,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     run.add_argument("params", type=Path, help="the 0600 parameter file written by hpc-bridge")
     run.add_argument("--log-level", default="INFO")
+    tune = sub.add_parser(
+        "tune",
+        help="choose TensorFlow's CPU kernels (oneDNN on or off) for this kind of node by timing a few training "
+        "steps with each, and keep the choice for the jobs (HPC_TUNING_DIR); once per kind of node and worker "
+        "environment ('hpc-bridge doctor --job' runs it in its probe job)",
+        epilog="example (on a compute node, in a job of the account the jobs run as): "
+        "srun ~/hpc-bridge/envs/current/bin/hpc-worker tune",
+    )
+    tune.add_argument("--again", action="store_true", help="measure even if this kind of node has a record")
+    tune.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
 
     configure_logging(level=args.log_level, stream=sys.stdout, component="worker")
+    if args.command == "tune":
+        from worker import onednn
+
+        tuning = onednn.remember(onednn.tuning_dir(), again=args.again)
+        print(tuning.describe(), file=sys.stderr)
+        return 1 if tuning.outcome == "failed" else 0
     # TensorFlow's C++ start-up lines (and any other write to file descriptor 2) become JSON events.
     capture_native_stderr()
     from worker.job import run_job  # after logging is set up

@@ -8,7 +8,9 @@ training job needs there:
   (the outbox, the job folders, the parameter files, the run directories) take a file;
 - lock: ``flock`` and ``fcntl`` locks work in the spool, and a lock the login node holds is seen;
 - worker: the worker environment imports ``worker.trainer`` and TensorFlow, and TensorFlow sees
-  the GPUs the job was given;
+  the GPUs the job was given; on a CPU node with TensorFlow, the oneDNN choice is measured for this
+  kind of node unless a record of it exists (``hpc-worker tune``, worker/onednn.py), so that the
+  jobs never measure;
 - scratch: node-local scratch for checkpoints exists, takes a file and has room;
 - rodan: Rodan answers an unauthenticated GET over HTTP(S) (the worker downloads the inputs,
   unless HPC_INPUTS_FETCH=login has the bridge fetch them on the login node: then a node without a
@@ -58,6 +60,7 @@ from bridge.logs import configure_logging
 from bridge.schedulers import get_scheduler, restart_variables, scratch_variables
 from bridge.shell import CommandError, CommandNotFound, CommandTimeout, run_command
 from bridge.spool import LOCK_FIX, NO_LOCKS, atomic_write_json, mount_of, read_json
+from worker import onednn
 
 log = structlog.get_logger("worker")
 
@@ -90,6 +93,9 @@ GPU_BUILDS = {
     "tensorflow": "a TensorFlow built for the nodes' CUDA driver (pip install 'hpc-bridge[worker-gpu]')",
     "jax": "JAX with its CUDA wheels (pip install 'hpc-bridge[worker-jax]')",
 }
+#: Seconds each of the two oneDNN measuring processes may take in the probe job (its time limit is
+#: bridge/ops/probe.py's PROBE_MINUTES for every check together).
+TUNE_TIMEOUT_S = 75.0
 #: How much the scratch check writes (and removes).
 SCRATCH_WRITE_BYTES = 1 << 20
 
@@ -282,10 +288,21 @@ def check_worker(params: ProbeParameters, result: ProbeResult) -> Finding:
     )
     name = BACKEND_NAMES.get(found["backend"], found["backend"])
     devices = ", ".join(found.get("devices", [])) or "none"
+    status, fixes, tuned = gpus.status, [gpus.fix] if gpus.fix else [], ""
+    if status != "FAIL":  # measured once the environment is right (jobs never measure: worker/onednn.py)
+        tuning = onednn.remember(onednn.tuning_dir(), timeout_s=TUNE_TIMEOUT_S)
+        tuned = f"; {tuning.describe()}"
+        if tuning.outcome == "failed":
+            status = "warn"
+            fixes.append(
+                "jobs keep TensorFlow's default oneDNN setting (slower on some CPUs): run 'hpc-worker tune' in a job"
+            )
     return replace(
         gpus,
+        status=status,
         found=f"{python}: worker.trainer imports on Keras' {name} backend ({name} {found['version']}; "
-        f"devices: {devices}); {gpus.found}",
+        f"devices: {devices}); {gpus.found}{tuned}",
+        fix="; ".join(fixes),
     )
 
 

@@ -6,8 +6,10 @@ not run where the jobs do. This builds it where they run: a batch job, submitted
 job is (the same account, partition, GPUs, directives and ``HPC_JOB_PROLOGUE``, so the site's
 ``module load`` lines run first), creates the environment with the interpreter named (a path the
 node can run: by default the current environment's), installs the package with the extra into it
-and records what it built. The login node waits for the job, reads the version the environment's own
-``hpc-worker --version`` gave on the node, and goes on with the upgrade (the switch, under the lock).
+and records what it built, and measures the oneDNN choice for the nodes of that kind with the new
+environment (``hpc-worker tune``: its jobs then never measure). The login node waits for the job,
+reads the version the environment's own ``hpc-worker --version`` gave on the node, and goes on with
+the upgrade (the switch, under the lock).
 
 The job's folder is ``SPOOL/jobs/upgrade-build-HEX/``: its ``build.sh`` (no secret: paths, the
 requirement and pip's arguments), the scheduler's log, and ``built-version`` once the node has
@@ -41,6 +43,7 @@ BUILD_MINUTES = 60  # the job's time limit: pip with TensorFlow on a busy shared
 BUILD_MEMORY_MB = 4096
 DEFAULT_TIMEOUT_S = 4 * 3600.0  # queue and build together
 POLL_S = 5.0
+TUNE_FAILED = "hpc-worker tune failed: jobs keep TensorFlow's default oneDNN setting until doctor --job measures it"
 
 
 class NodeBuildFailed(Exception):
@@ -61,6 +64,9 @@ def build_script(new: Path, target: str, extra: str, python: str | Path, pip_arg
             pip,
             f"echo {q(extra)} > {q(str(new / 'hpc-bridge-extra'))}",
             f'echo "host=$(hostname) job=${{SLURM_JOB_ID:-${{JOB_ID:-}}}}" > {q(str(new / BUILT_ON_FILE))}',
+            # The oneDNN choice for this kind of node and the new environment, so that its jobs never
+            # measure (worker/onednn.py); a failure only leaves TensorFlow's default: the build goes on.
+            f"{q(str(new / 'bin' / 'hpc-worker'))} tune || echo {q(TUNE_FAILED)}",
             f"{q(str(new / 'bin' / 'hpc-worker'))} --version > {q(str(out / VERSION_FILE))}.tmp",
             f"mv {q(str(out / VERSION_FILE))}.tmp {q(str(out / VERSION_FILE))}",
             "",
