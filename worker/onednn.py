@@ -18,7 +18,9 @@ environment is stale, never used).
 **Who measures.** ``hpc-worker tune`` on a compute node: ``hpc-bridge doctor --job`` runs it in its
 probe job (the ``node-worker`` line says what it found), ``hpc-bridge upgrade --build-on-node`` in
 its build job once the new environment is built, and an operator may run it on each kind of node.
-It measures when no usable record exists (or ``--again``); about 20-50 s.
+It measures when no usable record exists (or ``--again``); about 20-50 s, with the CPUs of the job
+it runs in (the probe job has one): the choice follows the CPU's instructions, so one record serves
+jobs of any CPU count.
 
 **What a job does** (:func:`choose`, before TensorFlow is imported): it reads the record and never
 measures. Without one (a new kind of node, a new TensorFlow) it keeps TensorFlow's own default and
