@@ -81,7 +81,9 @@ def test_a_node_without_a_route_trains_in_login_mode_and_fails_clearly_in_node_m
     like the node-mode one: its HTTP is refused); the bridge not fetching at intake; the spool's
     copies kept after the reply; the node-mode error not saying the node could not reach Rodan or
     not naming the setting; a token in the login-mode job's parameter file."""
-    login_page = sample_inputs("new", n_layers=1, height=160, width=192, seed=31)
+    # A page large enough for 64x64 patches of each layer (as test_e2e's), one seed for the trainer.
+    harness.env["HPC_TRAINING_SEED"] = "20261128"
+    login_page = sample_inputs("new", n_layers=1, height=320, width=384, seed=31)
     node_page = sample_inputs("old", height=160, width=192, seed=32)
     fetched = rodan.publish_request(login_page, FAST_SETTINGS)
     harness.check(HPC_INPUTS_FETCH="login")
