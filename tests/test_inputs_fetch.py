@@ -148,6 +148,17 @@ def test_login_mode_fetches_every_input_into_the_spool_and_hands_the_job_no_toke
         assert whole_file_gets(standin, resource) == 1, name
     token = token_for_email(RODAN_EMAIL).encode()
     assert not [p for p in spool.root.rglob("*") if p.is_file() and token in p.read_bytes()], "no token on disk"
+    # The job opens them as the pages it trains on, with its own checks (the worker's reading step).
+    from worker.job import fetched_inputs, read_page_inputs, read_rodan3_inputs
+
+    opened = fetched_inputs(params, params.inputs_dir)
+    if generation == "rodan3":
+        pages, reply_keys, starting = read_rodan3_inputs(params, opened, spool.root / "work")
+        assert len(pages) == 2 and sorted(reply_keys.values()) == ["Background Model", "Model 1"]
+        assert [reply_keys[label] for label in starting] == ["Model 1"]
+    else:
+        (page,) = read_page_inputs(params, opened)
+        assert page.image.shape == (64, 64, 3) and len(page.masks) == len(params.layers)
 
 
 def test_node_mode_fetches_nothing_and_hands_the_job_the_token(
