@@ -255,7 +255,8 @@ class RodanCancels:
             log.info("reply_discarded", reason="the run is cancelled in Rodan: nobody reads this reply")
 
     def _clean(self, record: RequestRecord) -> None:
-        """The run directory's transient folders and the parameter file (it holds the broker password)."""
+        """The run directory's transient folders, the inputs fetched into the spool and the parameter
+        file (it holds the broker password)."""
         params = self.spool.params_path(record.key)
         run_dir = ""
         try:
@@ -263,6 +264,7 @@ class RodanCancels:
         except (OSError, ValueError, AttributeError):
             pass
         params.unlink(missing_ok=True)
+        self.spool.drop_inputs(record.key)  # HPC_INPUTS_FETCH=login: the inputs the bridge fetched
         if not run_dir:
             return
         for name in TRANSIENT_RUN_FOLDERS:

@@ -354,6 +354,23 @@ def test_the_fetched_inputs_go_with_the_run_directorys_when_the_reply_is_out(tmp
     assert not fetched.exists() and not (run_dir / "inputs").exists() and not params_path.exists()
 
 
+def test_a_run_cancelled_in_rodan_leaves_no_fetched_inputs(
+    config_for: Callable[..., BridgeConfig], standin: RodanStandin
+) -> None:
+    """Rodan 3's Cancel (bridge/rodan_cancel.py) removes what the run's reply would have: the spool's
+    copies too. Mutation caught: the cancel path keeping them until prune."""
+    from bridge.ledger import RequestRecord
+    from bridge.rodan_cancel import RodanCancels
+
+    inputs = rodan3_inputs(standin.uploads_dir)
+    intake, spool, _submitted = make_intake(config_for(HPC_INPUTS_FETCH="login"))
+    assert intake.process(message(intake, inputs, "cancelled")).outcome is Outcome.SUBMITTED
+    assert spool.inputs_dir("cancelled").is_dir()
+    cancels = RodanCancels(intake.config, spool, intake.ledger, intake.scheduler, intake.replies, intake.rodan)
+    cancels._clean(RequestRecord(correlation_id="cancelled", key="cancelled", reply_to="q"))
+    assert not spool.inputs_dir("cancelled").exists() and not spool.params_path("cancelled").exists()
+
+
 # --- doctor --job ----------------------------------------------------------------------------------
 
 
