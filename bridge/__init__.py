@@ -10,7 +10,7 @@ them imports a login-only module): ``amqp``, ``atomic``, ``chain``, ``continuati
 ``rodan``, ``schedulers``, ``shell``, ``spool``, ``version``.
 
 Login-only (the bridge's pass or daemon and the operator commands, on the login node): ``__main__``,
-``active``, ``cli``, ``config``, ``enqueue``, ``intake``, ``ledger``, ``ops``, ``reconcile``,
+``active``, ``cli``, ``config``, ``enqueue``, ``intake``, ``ledger``, ``ops``, ``reconcile``, ``rodan_cancel``,
 ``runner``, ``sdnotify``.
 
 Test support (the Rodan stand-in and sample pages; no other module imports it): ``testing``.

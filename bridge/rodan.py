@@ -31,7 +31,7 @@ from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_aft
 from urllib3.util import parse_url
 
 from bridge.atomic import atomic_file
-from bridge.errors import PermanentError, RodanAuthError, TransientError
+from bridge.errors import BridgeError, PermanentError, RodanAuthError, TransientError
 from bridge.handoff import DEFAULT_RODAN_RETRIES, DEFAULT_RODAN_TIMEOUT_S
 from bridge.logs import register_secret
 
@@ -148,8 +148,9 @@ class RodanClient:
         """``GET /api/runjob/<uuid>/``: the RunJob's ``status`` (Rodan's task_status codes), or None when
         Rodan answers 404. Rodan answers 404 also to an account that may not view the RunJob (Django
         REST framework's object permissions): the caller tells the two apart. Tried once (the caller
-        asks again on its next pass); an expired token is renewed once. RodanAuthError on 401/403,
-        TransientError when Rodan is unreachable or busy, PermanentError on anything else."""
+        asks again on its next pass); an expired token is renewed once. TransientError when Rodan is
+        unreachable or busy; BridgeError for a refusal or an answer without a status (no reply ever
+        carries them: the caller logs them and asks again later)."""
         uuid = str(UUID(runjob))  # only a uuid reaches the URL
         if not self.token:
             self.get_token()
@@ -160,13 +161,13 @@ class RodanClient:
         if response.status_code == 404:
             return None
         if response.status_code in (401, 403):
-            raise RodanAuthError(f"Rodan refused to show RunJob {uuid} ({response.status_code}: {_detail(response)})")
+            raise BridgeError(f"Rodan refused to show RunJob {uuid} ({response.status_code}: {_detail(response)})")
         if response.status_code != 200:
-            raise PermanentError(f"Rodan answered {response.status_code} for RunJob {uuid}: {_detail(response)}")
+            raise BridgeError(f"Rodan answered {response.status_code} for RunJob {uuid}: {_detail(response)}")
         try:
             return int(response.json()["status"])
         except (ValueError, KeyError, TypeError):
-            raise PermanentError(f"Rodan's answer for RunJob {uuid} has no status") from None
+            raise BridgeError(f"Rodan's answer for RunJob {uuid} has no status") from None
 
     # --- resources -----------------------------------------------------------
     def sends_token_to(self, url: str) -> bool:
