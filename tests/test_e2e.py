@@ -432,6 +432,15 @@ def test_training_longer_than_one_job_continues_and_equals_an_uninterrupted_run(
         assert not (runs[corr] / "checkpoints").exists() and not (runs[corr] / "inputs").exists()
     record = harness.ledger(continued)
     assert record["continuations"] >= 1 and harness.ledger(reference)["continuations"] == 0
+    # No job start measures oneDNN (hpc-worker tune does, outside the jobs: worker/onednn.py), and
+    # on JAX none even reads a record (catches a job that pays for the measurement, or a JAX one
+    # that sets TensorFlow's switch).
+    for corr in (continued, reference):
+        lines = [json.loads(line) for line in harness.job_output(corr).splitlines() if line.startswith("{")]
+        onednn = [line["event"] for line in lines if str(line.get("event", "")).startswith("onednn")]
+        assert onednn and "onednn_measured" not in onednn, onednn
+        if backend == "jax":
+            assert set(onednn) == {"onednn_skipped"}, onednn
     calls = scontrol_calls.read_text().splitlines() if scontrol_calls.exists() else []
     requeued = [line for line in calls if line.startswith("requeue")]
     scripts = {p.name: p.read_text() for p in (harness.spool / "jobs" / continued).glob("job*.sh")}
