@@ -6,6 +6,8 @@ init`, the settings, doctor, a pass by hand, crontab, log rotation). Then Rodan 
 and the reply must come back through what the real cron daemon runs: nobody here calls the bridge.
 The guide's Upgrade section then upgrades the live deployment (`hpc-bridge upgrade`), and its
 Uninstall section removes it. Needs root (to create the account) and cron (set-up installs it).
+The broker account is the bridge's as docs/rodan-guide.md (step 1) gives it, on a vhost of the test's
+own with the guides' queue names, so doctor's broker-rights line and every pass run on those rights.
 """
 
 from __future__ import annotations
@@ -16,18 +18,30 @@ import os
 import stat
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.support.bridge import FAST_SETTINGS, RODAN_EMAIL, RODAN_PASSWORD
-from tests.support.broker import queue_exists
+from tests.support.broker import Queues, Rodan, queue_exists
+from tests.support.broker_rights import BRIDGE_USER, GUIDES, JOB_USER, RightsVhost, documented_rights, rights_vhost
 from tests.support.wait import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLLOW = ROOT / "deploy" / "dev" / "follow_guide.py"
 USER = "hpcguide"
 pytestmark = [pytest.mark.slow, pytest.mark.broker, pytest.mark.slurm]
+#: The guides' queue names (request, the older jobs' reply queue, dead letters), in the test's own vhost.
+GUIDE_QUEUES = Queues("hpc-jobs", "hpc-results", "hpc-bridge.dead-letter")
+
+
+@pytest.fixture
+def guide_broker(broker_url: str) -> Iterator[RightsVhost]:
+    """A vhost of the test's own with the bridge's account as docs/rodan-guide.md gives it."""
+    rights = documented_rights(GUIDES[0]).rights
+    with rights_vhost(broker_url, rights[BRIDGE_USER], rights[JOB_USER], tag="guide") as box:
+        yield box
 
 
 def _follow(*args: str, timeout: float = 1500) -> subprocess.CompletedProcess[str]:
@@ -43,10 +57,13 @@ def _as_user(command: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.skipif(os.geteuid() != 0, reason="creates a system account and a crontab: run as root (CI does)")
 @pytest.mark.timeout(1500)  # two environments installed by pip: 320-420 s here, over 900 s once in a loaded CI
 def test_following_the_operator_guide_gives_a_working_cron_deployment(
-    broker_url, standin, queues, rodan, sample_inputs, slurm, tmp_path
+    guide_broker, standin, sample_inputs, slurm, tmp_path
 ):
+    # The broker account as the Rodan guide gives it (its step 1), on a vhost of the test's own with
+    # the guide's queue names; the test plays the older Rodan job with an account that may do anything.
+    rodan = Rodan(guide_broker.admin_url, GUIDE_QUEUES)
     settings = {
-        "RABBITMQ_URL": broker_url,
+        "RABBITMQ_URL": guide_broker.bridge_url,
         "RODAN_HOST": standin.host_port,
         "RODAN_SCHEME": "http",
         "RODAN_USER": RODAN_EMAIL,
@@ -57,11 +74,6 @@ def test_following_the_operator_guide_gives_a_working_cron_deployment(
         "HPC_SCHEDULER": "slurm",
         # The dev cluster's GPUs are fake: TensorFlow sees none, and `doctor --job` would rightly say so.
         "HPC_GPU_RULES": "none",
-        # Not in the guide's table: this test's own queues, so that it shares the broker safely.
-        "HPC_REQUEST_QUEUE": queues.request,
-        "HPC_REPLY_QUEUE": queues.reply,
-        "HPC_DEAD_LETTER_QUEUE": queues.dead,
-        "HPC_STATUS_QUEUE": f"{queues.dead}-status",
     }
     (tmp_path / "settings.json").write_text(json.dumps(settings))
     (tmp_path / "settings.json").chmod(0o600)
@@ -155,7 +167,8 @@ def test_following_the_operator_guide_gives_a_working_cron_deployment(
         assert "hpc-bridge/" not in _as_user("crontab -l").stdout
         assert not spool.exists() and not (home / "hpc-bridge").exists() and not logs.exists()
         assert not credentials.exists()  # the guide's last line removes the settings too
-        assert not queue_exists(broker_url, f"{queues.dead}-status") and not queue_exists(broker_url, queues.dead)
+        assert not queue_exists(guide_broker.admin_url, "hpc-bridge.status")
+        assert not queue_exists(guide_broker.admin_url, GUIDE_QUEUES.dead)
     finally:
         # First, so that a timeout in the clean-up cannot leave it: it holds the passwords, like a credentials.env.
         (tmp_path / "settings.json").unlink()
