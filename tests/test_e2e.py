@@ -496,6 +496,7 @@ def test_training_longer_than_one_job_continues_and_equals_an_uninterrupted_run(
         "rejected": 0,
         "dead_lettered": 0,
         "continuations": record["continuations"],
+        "cancelled_by_rodan": 0,
     }
     lines = status(harness)[2]
     for corr in (continued, reference):

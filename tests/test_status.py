@@ -271,6 +271,7 @@ def test_status_and_metrics_on_real_requests(broker_url, standin, queues, rodan,
             "rejected": 2,
             "dead_lettered": 2,
             "continuations": 0,
+            "cancelled_by_rodan": 0,
         }
 
         def ids(*args: str) -> set[str]:
