@@ -207,8 +207,15 @@ def test_each_account_is_refused_what_it_does_not_do(box: RightsVhost, broker_ur
         assert f"ACCESS_REFUSED - access to queue '{queue}'" in refused(box.job_url, operation, queue), (
             f"the job's account may {operation} {queue}"
         )
-    # The bridge: never a run's reply (it only publishes there), never the shared reply queue's messages.
-    for operation, queue in [("get", job.reply_queue), ("purge", job.reply_queue), ("get", "hpc-results")]:
+    # The bridge: never a run's reply (it only publishes there; the job declares and deletes the
+    # queue), never the shared reply queue's messages.
+    for operation, queue in [
+        ("get", job.reply_queue),
+        ("purge", job.reply_queue),
+        ("delete", job.reply_queue),
+        ("declare", f"{job.reply_queue}.2"),
+        ("get", "hpc-results"),
+    ]:
         assert f"ACCESS_REFUSED - access to queue '{queue}'" in refused(box.bridge_url, operation, queue), (
             f"the bridge's account may {operation} {queue}"
         )
@@ -253,6 +260,7 @@ WITHOUT = [
         "access to exchange 'amq.default'",
         id="bridge-old-guide",
     ),
+    pytest.param(BRIDGE_USER, "configure", r"^hpc-jobs$", "access to queue 'hpc-bridge.dead-letter'", id="bridge-own"),
 ]
 
 
@@ -347,12 +355,7 @@ BRIDGE_WITHOUT = [
         "cannot write to exchange amq.default",
         id="write-old-guide",
     ),
-    pytest.param(
-        "configure",
-        r"^(hpc-jobs|hpc-results|hpc-bridge\..+)$",
-        "cannot configure queue hpc-results.<run>",
-        id="configure-no-run-queues",
-    ),
+    pytest.param("configure", r"^hpc-jobs$", "cannot configure queue hpc-bridge.dead-letter", id="configure-no-own"),
     pytest.param("read", r"^hpc-jobs$", "cannot read queue hpc-bridge.dead-letter", id="read-no-dead-letters"),
 ]
 

@@ -500,7 +500,7 @@ def bridge_permissions(config: BridgeConfig) -> tuple[str, str, str]:
     dead = [] if own.fullmatch(config.dead_letter_queue) else [_literal(config.dead_letter_queue)]
     status = [] if not config.status_queue or own.fullmatch(config.status_queue) else [_literal(config.status_queue)]
     request = _literal(config.request_queue)
-    configure = [request, _literal(config.reply_queue) + r"(\..+)?", OWN_QUEUES_PATTERN, *dead, *status]
+    configure = [request, _literal(config.reply_queue), OWN_QUEUES_PATTERN, *dead, *status]
     read = [request, OWN_QUEUES_PATTERN, *dead]
     return f"^({'|'.join(configure)})$", f"^{_literal(DEFAULT_EXCHANGE)}$", f"^({'|'.join(read)})$"
 
@@ -519,7 +519,7 @@ def check_rights(config: BridgeConfig) -> list[Check]:
     status queues is what the bridge does on every connection; a message taken to prove a read
     right is given back at once (``basic_reject`` with requeue: only its redelivered flag changes);
     the write right is proven by a ``mandatory`` publish to a queue that does not exist (returned,
-    stored nowhere); configure on ``hpc-results.<run>`` by a scratch queue, deleted at once."""
+    stored nowhere). The older jobs' reply queue is declared by the queues check."""
     name = "broker-rights"
     try:
         connection = _connect(config)
@@ -553,13 +553,6 @@ def check_rights(config: BridgeConfig) -> list[Check]:
         probes.append((
             "configure", config.status_queue, "no status message is published",
             lambda ch: ch.queue_declare(config.status_queue, durable=True, arguments=status_queue_arguments()),
-        ))  # fmt: skip
-    if any(pattern.startswith(f"{config.reply_queue}.") for pattern in config.reply_queue_patterns):
-        run_queue = f"{config.reply_queue}.hpc-bridge-{scratch}"
-        probes.append((
-            "configure", f"{config.reply_queue}.<run>",
-            "a run's reply queue that nobody will read any more could not be deleted",
-            lambda ch: (ch.queue_declare(run_queue, arguments={"x-expires": 60_000}), ch.queue_delete(run_queue)),
         ))  # fmt: skip
     missing: list[str] = []
     try:
