@@ -31,6 +31,7 @@ CASES = {
     "bench_checkpoint.py": ["case", "step p50 s", "step p95 s", "step max s", "checkpoints", "wall s"],
     "bench_memory.py": ["approach", "peak RSS (GB)", "original (computed) / this"],
     "bench_precision.py": ["layer", "precision", "best val_accuracy", "s/epoch"],
+    "bench_rodan_polling.py": ["version", "poll s", "runs", "polls", "busy %", "CPU s / poll"],
     "bench_gpu_path.py": [
         "patch",
         "batch",
@@ -49,7 +50,16 @@ CASES = {
 ORIGINAL_STACK = {"bench_trainer.py"}
 #: Modules the scripts import, not scripts themselves: they have no --quick.
 HELPERS = {"benchlib.py", "tables.py", "timeline.py", "paco_side.py", "original_sampler.py"}
-NEEDS_BROKER = {"bench_pickup.py", "bench_intake.py", "bench_reply.py", "bench_idle.py", "bench_soak.py"}
+NEEDS_BROKER = {
+    "bench_pickup.py",
+    "bench_intake.py",
+    "bench_reply.py",
+    "bench_idle.py",
+    "bench_soak.py",
+    "bench_rodan_polling.py",
+}
+#: A real Rodan 3.1.0 of its own (deploy/dev/rodan.sh, twice: 0.4.0's job package and this tree's).
+NEEDS_RODAN = {"bench_rodan_polling.py"}
 NEEDS_SLURM = {"bench_pickup.py", "bench_intake.py", "bench_idle.py", "bench_soak.py"}
 #: Real TensorFlow (a model fitted, or TensorFlow imported in a fresh process), ours in .venv and for
 #: bench_paco.py Paco_classifier's in the TF 2.15.1 consumer environment. Each quick run is 20-45 s on
@@ -70,7 +80,12 @@ ENVIRONMENTS = {"bench_gpu_path.py": {"KERAS_BACKEND": "jax"}}
 SLOW = {"bench_paco.py"}
 #: bench_soak.py runs a daemon and real Slurm jobs: on a loaded 2-core CI machine its 150 requests
 #: took over 120 s once (19 s alone).
-TIMEOUT_S = {"bench_paco.py": 900, "bench_soak.py": 600, **{script: 300 for script in TRAINS - {"bench_paco.py"}}}
+TIMEOUT_S = {
+    "bench_paco.py": 900,
+    "bench_soak.py": 600,
+    "bench_rodan_polling.py": 1200,
+    **{script: 300 for script in TRAINS - {"bench_paco.py"}},
+}
 
 
 def _marks(script: str) -> list[pytest.MarkDecorator]:
@@ -78,7 +93,8 @@ def _marks(script: str) -> list[pytest.MarkDecorator]:
     marks += [pytest.mark.slurm] if script in NEEDS_SLURM else []
     marks += [pytest.mark.training] if script in TRAINS else []
     marks += [pytest.mark.slow] if script in SLOW else []
-    return marks + ([pytest.mark.heavy] if script == "bench_paco.py" else [])
+    marks += [pytest.mark.rodan, pytest.mark.slow] if script in NEEDS_RODAN else []
+    return marks + ([pytest.mark.heavy] if script in {"bench_paco.py", *NEEDS_RODAN} else [])
 
 
 def _first_table(text: str) -> tuple[list[str], list[list[str]]]:

@@ -531,6 +531,15 @@ def begin_attempt(state_dir: str, runjob_id: str, task_id: str | None, now: floa
             delete_queues=stale,
         )
         write_attempt_record(state_dir, runjob_id, attempt, task_id, now)
+        if record is not None:
+            LOG.info(
+                "RunJob %s runs again (Celery task %s): attempt %d, correlation id %s (attempt %s had ended)",
+                runjob_id,
+                task_id,
+                attempt,
+                state.get("correlation_id"),
+                record["attempt"],
+            )
         return state
     state = RunState(state_dir, runjob_id)
     recorded = state.get("task_id")
