@@ -24,6 +24,8 @@ state are the job package's to remove (rodan_job/README.md).
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import time
 from collections.abc import Iterable
@@ -257,18 +259,31 @@ class RodanCancels:
     def _clean(self, record: RequestRecord) -> None:
         """The run directory's transient folders, the inputs fetched into the spool and the parameter
         file (it holds the broker password)."""
-        params = self.spool.params_path(record.key)
-        run_dir = ""
+        params_path = self.spool.params_path(record.key)
         try:
-            run_dir = str(read_json(params).get("run_dir") or "")
-        except (OSError, ValueError, AttributeError):
-            pass
-        params.unlink(missing_ok=True)
+            params = read_json(params_path)
+        except (OSError, ValueError):
+            params = {}
+        params = params if isinstance(params, dict) else {}
+        params_path.unlink(missing_ok=True)
         self.spool.drop_inputs(record.key)  # HPC_INPUTS_FETCH=login: the inputs the bridge fetched
-        if not run_dir:
-            return
-        for name in TRANSIENT_RUN_FOLDERS:
-            shutil.rmtree(Path(run_dir) / name, ignore_errors=True)
+        for run_dir in self._run_dirs(record, params):
+            for name in TRANSIENT_RUN_FOLDERS:
+                shutil.rmtree(run_dir / name, ignore_errors=True)
+
+    def _run_dirs(self, record: RequestRecord, params: dict[str, object]) -> list[Path]:
+        """The request's run directory: the parameter file names it once a job continued; before,
+        the first job made ``RUNS/<UTC time>-<key>`` (``-2``, ``-3`` ... for a second in the same
+        second), found by name."""
+        if params.get("run_dir"):
+            return [Path(str(params["run_dir"]))]
+        runs = Path(str(params.get("runs_dir") or self.config.runs_dir or self.spool.root / "runs"))
+        try:
+            names = [entry.name for entry in os.scandir(runs) if entry.is_dir(follow_symlinks=False)]
+        except OSError:
+            return []
+        pattern = re.compile(r"\d{8}-\d{6}-" + re.escape(record.key) + r"(-\d+)?")
+        return [runs / name for name in names if pattern.fullmatch(name)]
 
 
 def _status_word(status: int | None) -> str:

@@ -161,3 +161,23 @@ def test_a_retry_supersedes_the_earlier_attempts_of_its_runjob(world, tmp_path: 
     assert ledger.get(RUNJOB).state is RequestState.CANCELLED_BY_RODAN
     assert "attempt 3" in ledger.get(f"{RUNJOB}.2").reason
     assert ledger.get(other).state is RequestState.SUBMITTED
+
+
+def test_the_run_directory_is_found_by_name_before_any_continuation(world, tmp_path: Path) -> None:
+    """The parameter file names the run directory only once a job continued; before, the first job's
+    ``RUNS/<UTC time>-<key>`` is found by name (the real Rodan test's first run left its inputs/ with
+    only the parameter file's lookup). Mutation caught: cleaning only a run_dir from the parameter
+    file; matching another request's directory whose key starts with this one's."""
+    reconciler, cancels, ledger, scheduler, rodan, spool = world
+    runs = spool.root / "runs"
+    mine = runs / f"20261129-001312-{RUNJOB}"
+    retry = runs / f"20261129-001312-{RUNJOB}.2"
+    for folder in (mine, retry):
+        (folder / "inputs").mkdir(parents=True)
+        (folder / "checkpoints").mkdir()
+    record = waiting(ledger, spool, RUNJOB, "101", mine)
+    atomic_write_json(spool.params_path(RUNJOB), {"runs_dir": str(runs), "run_dir": None})
+    scheduler.infos = {"101": JobInfo("101", JobState.CANCELLED)}
+    assert cancels.cancel(record, "the run was cancelled in Rodan", rodan_status="cancelled") == 1
+    assert not (mine / "inputs").exists() and not (mine / "checkpoints").exists()
+    assert (retry / "inputs").exists() and (retry / "checkpoints").exists(), "attempt 2's directory is not this one's"
