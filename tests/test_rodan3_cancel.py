@@ -308,6 +308,9 @@ def cleaned_up(scenario: Scenario, run: Run) -> None:
         lambda: None,
     )
     assert run.ended["status"] == CANCELLED and run.runjob["status"] == CANCELLED, (run.ended, run.runjob)
+    for folder in (harness.spool / "runs").glob(f"*-{run.corr}"):  # none when the job never started
+        assert not (folder / "inputs").exists() and not (folder / "checkpoints").exists(), folder
+    assert not harness.spool.joinpath("params", f"{run.corr}.json").exists()
 
 
 def test_a_cancel_while_the_job_waits_in_the_queue_removes_it(scenario: Scenario) -> None:
