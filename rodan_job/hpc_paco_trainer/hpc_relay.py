@@ -104,9 +104,9 @@ class RelayConfig:
                 "HPC_RABBITMQ_CA_FILE is set but HPC_RABBITMQ_URL is not amqps://",
                 "A CA file is only used for TLS; use an amqps:// URL or unset HPC_RABBITMQ_CA_FILE.",
             )
-        if not 1 <= poll_seconds <= MAX_POLL_S:
+        if not 1 <= poll_seconds < RABBITMQ_CONSUMER_TIMEOUT_S:
             raise HPCJobError(
-                f"HPC_POLL_SECONDS must be between 1 and {MAX_POLL_S}",
+                f"HPC_POLL_SECONDS must be between 1 and {RABBITMQ_CONSUMER_TIMEOUT_S - 1}",
                 "A Celery retry waits unacknowledged in the worker; RabbitMQ closes a channel that "
                 "holds a delivery for longer than its consumer_timeout (30 minutes by default).",
             )
@@ -651,7 +651,8 @@ def poll_interval_s(waited_s: float, min_s: float, time_limit_s: float | None) -
     """Seconds until the next poll of a run that has waited ``waited_s`` since its request:
     ``POLL_GROWTH`` of the time waited, at least ``min_s`` (HPC_POLL_SECONDS), at most the run's
     cap: ``POLL_CAP_SHARE`` of its 'Maximum time' (never below ``min_s``, never above
-    ``MAX_POLL_S``). A reply that arrives waits at most this long to be picked up."""
+    ``MAX_POLL_S``); a ``min_s`` above both caps wins (0.4.0 allowed up to 1799 s). A reply that
+    arrives waits at most this long to be picked up."""
     cap = float(MAX_POLL_S)
     if time_limit_s is not None:
         cap = min(cap, max(float(min_s), time_limit_s * POLL_CAP_SHARE))

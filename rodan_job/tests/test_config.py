@@ -40,7 +40,7 @@ def test_a_bad_time_limit_is_refused(text: str) -> None:
         ({}, "HPC_RABBITMQ_URL is not set"),
         ({"HPC_RABBITMQ_URL": "http://h"}, "amqp:// or amqps://"),
         ({"HPC_RABBITMQ_URL": "amqp://h", "HPC_RABBITMQ_CA_FILE": "/ca.pem"}, "not amqps"),
-        ({"HPC_RABBITMQ_URL": "amqp://h", "HPC_POLL_SECONDS": "1501"}, "between 1 and 1500"),
+        ({"HPC_RABBITMQ_URL": "amqp://h", "HPC_POLL_SECONDS": "1800"}, "between 1 and 1799"),
         ({"HPC_RABBITMQ_URL": "amqp://h", "HPC_BRIDGE_MAX_PENDING": "soon"}, "not a number"),
     ],
 )
@@ -89,6 +89,7 @@ def test_the_poll_interval_grows_with_the_wait_and_stays_under_its_caps() -> Non
     assert interval(5 * 3600, 30, hour) == 150  # a short run's cap: 1/24 of its Maximum time
     assert interval(5 * 3600, 30, 60.0) == 30  # never below HPC_POLL_SECONDS
     assert interval(5 * 3600, 200, hour) == 200
+    assert interval(5 * 3600, 1799, None) == 1799  # 0.4.0 allowed up to 1799: still below the timeout
     # The pickup delay of a reply is at most the interval in force: never more than ~10 % of the wait.
     for waited in (400.0, 4000.0, 40000.0):
         assert interval(waited, 30, day) <= max(30, 0.1 * waited)
