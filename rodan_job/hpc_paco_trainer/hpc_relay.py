@@ -960,6 +960,8 @@ def step(
             channel.queue_declare(
                 queue=reply_queue_name(correlation_id), durable=True, arguments=reply_queue_arguments(bound_s)
             )
+            if state.get("bound_s") is None:  # a run that 0.4.0 published: now the cheap poll serves it too
+                state.update(bound_s=bound_s, time_limit_s=time_limit_s)
         drain_replies(channel, correlation_id, state)
         missing = state.missing_parts()
         if missing == []:

@@ -125,9 +125,10 @@ def test_retry_of_a_failed_run_trains_again(
 
 def test_state_of_0_4_0(broker_url: str, channel: Any, request_queue: str, runjob: str, state_dir: str) -> None:
     """0.4.0's state has no task id. A failed one retried is attempt 2; one still waiting is the
-    same attempt (its polls carry their task id from now on), with no second publish. Catches: a
-    failed 0.4.0 run refused or re-published under the uuid the bridge answered; a waiting 0.4.0
-    run re-published (the bridge would see a second request) or its parts dropped."""
+    same attempt (its polls carry their task id from now on), with no second publish, and gets the
+    cheap poll. Catches: a failed 0.4.0 run refused or re-published under the uuid the bridge
+    answered; a waiting 0.4.0 run re-published (the bridge would see a second request), its parts
+    dropped, or left to the full poll for ever (no silence bound in its state)."""
     config, clock = _config(broker_url, state_dir, request_queue), Clock()
     failed = str(uuid.uuid4())
     RunState(state_dir, failed).update(
@@ -150,6 +151,7 @@ def test_state_of_0_4_0(broker_url: str, channel: Any, request_queue: str, runjo
     assert _depth(channel, request_queue) == 0
     state = RunState(state_dir, runjob)
     assert (state.get("task_id"), state.get("attempt"), state.get("correlation_id")) == ("task-old", 1, runjob)
+    assert state.get("bound_s") == BOUND_S and hpc_relay.nothing_new(config, runjob, "task-old", clock.t)
     _answer(channel, runjob, selftest.success_body(FILES), 2, [2])
     assert _poll(config, runjob, "task-old", clock) == FILES
 
