@@ -30,15 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pika
 import pytest
 
 pytest.importorskip("keras")  # the worker extra
 
 from bridge.testing.rodan_api import CANCELLED, FAILED, FINISHED, Api, Upload
 from bridge.testing.samples import make_sample_page, make_sample_zip
-from tests.support.broker import Queues, Rodan
-from tests.support.cluster import Cluster
+from tests.support.broker import queue_exists
 from tests.support.harness import Harness
 from tests.support.rodan_job import GROUP, JOB_NAME, RodanWithJob
 
@@ -134,19 +132,6 @@ def active_jobs(harness: Harness, corr: str) -> list[str]:
     return [j for j in harness.cluster.jobs_named(f"rodan-{corr}") if harness.cluster.is_active(j)]
 
 
-def queue_exists(url: str, name: str) -> bool:
-    connection = pika.BlockingConnection(pika.URLParameters(url))
-    try:
-        connection.channel().queue_declare(queue=name, passive=True)
-        return True
-    except pika.exceptions.ChannelClosedByBroker as exc:
-        assert exc.reply_code == 404, exc
-        return False
-    finally:
-        if connection.is_open:
-            connection.close()
-
-
 def wait_for(
     what: str,
     condition: Callable[[], bool],
@@ -168,24 +153,7 @@ def scenario(rodan_with_job: RodanWithJob, slurm: None, tmp_path_factory: pytest
     t0 = time.monotonic()
     rodan = rodan_with_job
     tmp = tmp_path_factory.mktemp("rodan3-cancel")
-    queues = Queues(rodan.request_queue, "hpc-results", "hpc-bridge.dead-letter")
-    env = {
-        "RABBITMQ_URL": rodan.bridge_broker_url,
-        "RODAN_HOST": rodan.host_port,
-        "RODAN_SCHEME": "http",
-        "RODAN_EMAIL": rodan.email,
-        "RODAN_PASSWORD": rodan.password,
-        "HPC_SPOOL_DIR": str(tmp / "spool"),
-        "HPC_WORKER_PYTHON": sys.executable,
-        "HPC_SCHEDULER": "slurm",
-        "HPC_GPU_RULES": "none",
-        "HPC_RECONCILE_INTERVAL": "1",
-        "HPC_RODAN_CHECK_INTERVAL": "1",
-        "HPC_MAX_CONTINUATIONS": "3",
-        "HPC_RODAN_RETRIES": "2",
-        "HPC_LOG_FILE": str(tmp / "bridge.log"),
-    }
-    harness = Harness(env, tmp / "spool", Rodan(rodan.admin_broker_url, queues), Cluster("slurm"))
+    harness = rodan.bridge(tmp, HPC_RODAN_CHECK_INTERVAL="1", HPC_MAX_CONTINUATIONS="3")
     session = rodan.session()
     names = ["queued", "training", "continuation", "retry after cancel", "retry after failure"]
     settings = {"queued": QUEUED, "training": LONG, "continuation": LONG}
@@ -280,7 +248,7 @@ def scenario(rodan_with_job: RodanWithJob, slurm: None, tmp_path_factory: pytest
         print(f"\nthe Rodan 3 cancel scenario took {time.monotonic() - t0:.0f} s", file=sys.stderr)
         yield scenario
     finally:
-        harness.teardown()
+        rodan.forget_bridge(harness)
         subprocess.run(["scancel", "-n", blocker_name], capture_output=True, timeout=60)
         for run in scenario.runs.values():
             if run.runjob:

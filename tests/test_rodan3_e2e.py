@@ -29,7 +29,6 @@ started again. The tests below each check one part of what the scenario left.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import re
 import signal
@@ -42,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pika
 import pytest
 
 pytest.importorskip("keras")  # the worker extra (the starting model is built with our trainer)
@@ -50,8 +48,6 @@ pytest.importorskip("keras")  # the worker extra (the starting model is built wi
 from bridge.testing.rodan_api import FAILED, FINISHED, PROCESSING, Api, Upload
 from bridge.testing.samples import make_sample_page, make_sample_zip
 from consumers import by_name, classify
-from tests.support.broker import Queues, Rodan
-from tests.support.cluster import Cluster
 from tests.support.harness import Harness
 from tests.support.rodan_job import GROUP, JOB_NAME, WORKER_SETTINGS, RodanWithJob, take_request
 
@@ -204,22 +200,7 @@ def scenario(rodan_with_job: RodanWithJob, slurm: None, tmp_path_factory: pytest
     tmp = tmp_path_factory.mktemp("rodan3-e2e")
     # A site's names (the guides' and the bridge's defaults), on the session's HPC vhost; the bridge
     # runs as the guides' bridge account, the test looks with the admin's.
-    queues = Queues(rodan.request_queue, "hpc-results", "hpc-bridge.dead-letter")
-    env = {
-        "RABBITMQ_URL": rodan.bridge_broker_url,
-        "RODAN_HOST": rodan.host_port,
-        "RODAN_SCHEME": "http",
-        "RODAN_EMAIL": rodan.email,
-        "RODAN_PASSWORD": rodan.password,
-        "HPC_SPOOL_DIR": str(tmp / "spool"),
-        "HPC_WORKER_PYTHON": sys.executable,
-        "HPC_SCHEDULER": "slurm",
-        "HPC_GPU_RULES": "none",
-        "HPC_RECONCILE_INTERVAL": "1",
-        "HPC_RODAN_RETRIES": "2",
-        "HPC_LOG_FILE": str(tmp / "bridge.log"),
-    }
-    harness = Harness(env, tmp / "spool", Rodan(rodan.admin_broker_url, queues), Cluster("slurm"))
+    harness = rodan.bridge(tmp)
     session = rodan.session()
     pages = tmp / "pages"
     scenario = Scenario(rodan, harness, session, {}, pages, {})
@@ -285,13 +266,7 @@ def scenario(rodan_with_job: RodanWithJob, slurm: None, tmp_path_factory: pytest
         print(f"\nthe Rodan 3 scenario took {scenario.wall_s:.0f} s", file=sys.stderr)
         yield scenario
     finally:
-        harness.teardown()
-        with contextlib.suppress(pika.exceptions.AMQPError):  # the next module's bridge starts afresh
-            connection = pika.BlockingConnection(pika.URLParameters(rodan.admin_broker_url))
-            for name in (queues.dead, "hpc-bridge.status"):
-                with contextlib.suppress(pika.exceptions.ChannelClosedByBroker):
-                    connection.channel().queue_delete(queue=name)
-            connection.close()
+        rodan.forget_bridge(harness)
 
 
 def model_ports(layers: int) -> list[str]:

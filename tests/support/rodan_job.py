@@ -19,11 +19,13 @@ in one worker, one after another, against the same Rodan.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -35,7 +37,10 @@ import pika
 import pytest
 
 from bridge.testing.rodan_api import Api
+from tests.support.broker import Queues, Rodan
 from tests.support.broker_rights import BRIDGE_USER, JOB_USER, RightsVhost, documented_rights, rights_vhost
+from tests.support.cluster import Cluster
+from tests.support.harness import Harness
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "rodan_job" / "hpc_paco_trainer"
@@ -88,6 +93,40 @@ class RodanWithJob:
     def session(self) -> Api:
         """Rodan's REST API as the test account (a fresh token)."""
         return Api.login(self.url, self.email, self.password)
+
+    def bridge(self, folder: Path, **settings: str) -> Harness:
+        """A bridge of the test's own for this Rodan, set up as the guides say: the guides' bridge
+        account on the session's HPC vhost, the guides' queue names (the bridge's defaults), the test
+        account on Rodan, cron passes with Slurm; the test looks at the broker with the admin's
+        account. ``settings`` add to (or override) its settings; its spool and log are in ``folder``."""
+        queues = Queues(self.request_queue, "hpc-results", "hpc-bridge.dead-letter")
+        env = {
+            "RABBITMQ_URL": self.bridge_broker_url,
+            "RODAN_HOST": self.host_port,
+            "RODAN_SCHEME": "http",
+            "RODAN_EMAIL": self.email,
+            "RODAN_PASSWORD": self.password,
+            "HPC_SPOOL_DIR": str(folder / "spool"),
+            "HPC_WORKER_PYTHON": sys.executable,
+            "HPC_SCHEDULER": "slurm",
+            "HPC_GPU_RULES": "none",
+            "HPC_RECONCILE_INTERVAL": "1",
+            "HPC_RODAN_RETRIES": "2",
+            "HPC_LOG_FILE": str(folder / "bridge.log"),
+            **settings,
+        }
+        return Harness(env, folder / "spool", Rodan(self.admin_broker_url, queues), Cluster("slurm"))
+
+    def forget_bridge(self, harness: Harness) -> None:
+        """After a module's bridge: its jobs cancelled, and its dead-letter and status queues deleted,
+        so that the next module's bridge starts afresh on the session's vhost."""
+        harness.teardown()
+        with contextlib.suppress(pika.exceptions.AMQPError):
+            connection = pika.BlockingConnection(pika.URLParameters(self.admin_broker_url))
+            for name in (harness.rodan.queues.dead, "hpc-bridge.status"):
+                with contextlib.suppress(pika.exceptions.ChannelClosedByBroker):
+                    connection.channel().queue_delete(queue=name)
+            connection.close()
 
     def up(self) -> None:
         done = subprocess.run(
