@@ -108,9 +108,12 @@ class Reconciler:
     def reconcile(self) -> int:
         """Query the scheduler about every watched job; stage error replies for dead ones."""
         self.mark_replied()
-        if self.cancels is not None:
-            self.cancels.settle()
-            self.cancels.check(self.ledger.in_state(RequestState.SUBMITTED, RequestState.RECEIVED))
+        if self.cancels is not None:  # one read of the ledger for both
+            records = self.ledger.in_state(
+                RequestState.SUBMITTED, RequestState.RECEIVED, RequestState.CANCELLED_BY_RODAN
+            )
+            self.cancels.settle([r for r in records if r.state is RequestState.CANCELLED_BY_RODAN])
+            self.cancels.check([r for r in records if r.state is not RequestState.CANCELLED_BY_RODAN])
         watched = [r for r in self.ledger.in_state(RequestState.SUBMITTED) if r.job_id]
         if not watched:
             return 0

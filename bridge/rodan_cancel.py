@@ -217,11 +217,12 @@ class RodanCancels:
         )
         return 1
 
-    def settle(self) -> int:
-        """Requests cancelled by Rodan whose jobs had not ended yet: cancel what still runs (a successor
-        submitted meanwhile), and clean up once nothing does. Returns how many were settled."""
+    def settle(self, records: Iterable[RequestRecord]) -> int:
+        """Of ``records`` (the ledger's cancelled by Rodan), those whose jobs had not ended yet: cancel
+        what still runs (a successor submitted meanwhile), and clean up once nothing does. Returns how
+        many were settled."""
         settled = 0
-        for record in self.ledger.in_state(RequestState.CANCELLED_BY_RODAN):
+        for record in records:
             if record.job_ended:
                 continue
             with structlog.contextvars.bound_contextvars(correlation_id=record.correlation_id):

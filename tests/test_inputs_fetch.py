@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import uuid
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,21 +28,13 @@ from bridge.replies import ReplyBox
 from bridge.rodan import RodanClient
 from bridge.schedulers import get_scheduler
 from bridge.spool import Spool
-from bridge.testing.rodan import RodanStandin, User, token_for_email
+from bridge.testing.rodan import RodanStandin, token_for_email
 from bridge.testing.samples import make_sample_page, make_sample_zip, resource_path
-from tests.support.bridge import FAST_SETTINGS, RODAN_EMAIL, RODAN_PASSWORD, bridge_environ, job_parameters_json
+from tests.support.bridge import FAST_SETTINGS, RODAN_EMAIL, bridge_environ, job_parameters_json
 from tests.support.broker import Queues
 
 #: No test here talks to a broker: the intake never does (the runner publishes).
 NO_BROKER = "amqp://guest:guest@127.0.0.1:1/%2F"
-
-
-@pytest.fixture
-def standin(tmp_path: Path) -> Iterator[RodanStandin]:
-    uploads = tmp_path / "uploads"
-    uploads.mkdir()
-    with RodanStandin(uploads, users=[User(RODAN_EMAIL, "hpc", RODAN_PASSWORD)], token_field="email") as server:
-        yield server
 
 
 @pytest.fixture

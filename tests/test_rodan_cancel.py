@@ -108,7 +108,7 @@ def test_a_run_cancelled_in_rodan_ends_its_jobs_and_gets_no_reply(world, tmp_pat
     assert reconciler.replies.staged_entry(RUNJOB) is None
     assert (run_dir / "inputs").exists(), "the job still ran: its files stay until it has ended"
     scheduler.infos = {"101": JobInfo("101", JobState.CANCELLED), "102": JobInfo("102", JobState.CANCELLED)}
-    assert cancels.settle() == 1
+    assert cancels.settle(ledger.in_state(RequestState.CANCELLED_BY_RODAN)) == 1
     assert not (run_dir / "inputs").exists() and not (run_dir / "checkpoints").exists()
     assert (run_dir / "logs").exists() and not spool.params_path(RUNJOB).exists()
     assert ledger.get(RUNJOB).job_ended
