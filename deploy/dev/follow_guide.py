@@ -14,6 +14,9 @@ of the guide's chosen sections, in order, as that account in a login shell, with
 What the guide leaves to the reader is given here:
 
 - ``HPC_BRIDGE_SOURCE``: the wheel's path (what the reader downloads from a release);
+- with ``--wheelhouse DIR``, a site's pip configuration (``~/.config/pip/pip.conf``: no index,
+  find links in DIR), as on a cluster whose login node installs from a local wheelhouse: the
+  guide's ``pip install`` lines run unchanged and copy local wheels instead of downloading;
 - ``EDITOR``: a non-interactive editor that types the settings of ``--settings`` (a JSON object
   NAME -> value) into credentials.env the way a person would: a ``NAME=`` or ``# NAME=`` line is
   replaced, anything else is appended.
@@ -141,6 +144,17 @@ def cleanup(user: str) -> None:
         say(f"deleting {len(leftovers)} old home(s) in the background")
 
 
+def write_pip_conf(home: Path, user: str, wheelhouse: Path) -> None:
+    """The site's pip configuration in ``user``'s home: every pip run installs from ``wheelhouse`` alone."""
+    if not any(wheelhouse.glob("*.whl")):
+        raise SystemExit(f"--wheelhouse {wheelhouse}: no wheel there (deploy/dev/setup.sh fills var/wheelhouse)")
+    conf = home / ".config" / "pip" / "pip.conf"
+    conf.parent.mkdir(parents=True, exist_ok=True)
+    conf.write_text(f"[global]\nno-index = true\nfind-links = {wheelhouse}\n")
+    run(["chown", "-R", f"{user}:{user}", str(home / ".config")])
+    say(f"pip of {user} installs from {wheelhouse} only")
+
+
 def ensure_cron() -> None:
     if shutil.which("cron") is None and not Path("/usr/sbin/cron").exists():
         say("installing cron")
@@ -160,6 +174,9 @@ def main() -> int:
     parser.add_argument("--settings", type=Path, help="JSON object of credentials.env settings to type in")
     parser.add_argument(
         "--section", action="append", default=[], help="a '## ' section to follow (repeatable; default all)"
+    )
+    parser.add_argument(
+        "--wheelhouse", type=Path, help="the account's pip installs from this folder only (a site's pip.conf)"
     )
     parser.add_argument("--cleanup", action="store_true", help="remove the account and everything it left, then exit")
     parser.add_argument(
@@ -198,6 +215,8 @@ def main() -> int:
     shutil.copy(args.settings, given / "settings.json")
     (given / "settings.json").chmod(0o600)
     run(["chown", "-R", f"{args.user}:{args.user}", str(given)])
+    if args.wheelhouse is not None:
+        write_pip_conf(home, args.user, args.wheelhouse.resolve())
 
     reader = f"export HPC_BRIDGE_SOURCE={wheel} EDITOR={given / 'editor'} GUIDE_SETTINGS={given / 'settings.json'}\n"
     steps = blocks(GUIDE, args.section)

@@ -41,6 +41,25 @@ fi
 # stay the same; a missing Python version stops set-up here, saying how to install it.
 .venv/bin/python -m consumers build 2>&1 | sed 's/^/[setup] /'
 
+# --- A wheelhouse: the package's dependencies, the worker extra's included ------------------------
+# What a site without PyPI installs from (pip's --no-index --find-links): the operator-guide test's
+# account and the upgrade test install from it, at the versions in .venv, instead of downloading
+# TensorFlow again for every environment they build. Filled once per pyproject.toml.
+wheelhouse=var/wheelhouse
+if [ ! -f "$wheelhouse/.built-for" ] || [ "$(cat "$wheelhouse/.built-for")" != "$want" ]; then
+    say "filling $wheelhouse (hpc-bridge's dependencies and its worker extra's, as in .venv)"
+    rm -rf "$wheelhouse"
+    mkdir -p "$wheelhouse"
+    .venv/bin/python -m pip freeze --exclude-editable | grep -v ' @ ' > "$wheelhouse/constraints.txt"
+    .venv/bin/python -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]
+print("\n".join(p["dependencies"] + p["optional-dependencies"]["worker"]))' > "$wheelhouse/requirements.txt"
+    .venv/bin/python -m pip download --quiet --only-binary=:all: -d "$wheelhouse" \
+        -c "$wheelhouse/constraints.txt" -r "$wheelhouse/requirements.txt"
+    echo "$want" > "$wheelhouse/.built-for"
+else
+    say "$wheelhouse is up to date"
+fi
+
 # --- RabbitMQ ------------------------------------------------------------------------
 broker_up() { (exec 3<>/dev/tcp/127.0.0.1/5672) 2>/dev/null; }
 if [ -n "${RABBITMQ_URL:-}" ]; then
