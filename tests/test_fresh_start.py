@@ -159,9 +159,8 @@ def _train_layer(
     pages = _bench_pages(tmp_path)
     settings = TrainSettings(
         epochs=epochs, max_samples_per_label=160, patch_height=32, patch_width=32, batch_size=16, patience=15,
-        seed=seed, mixed_precision="off", **options,
+        seed=seed, mixed_precision="off", max_fresh_starts=fresh_starts, **options,
     )  # fmt: skip
-    monkeypatch.setattr(train_module, "MAX_FRESH_STARTS", fresh_starts)
     centres = train_module._sample(pages, settings, seed)
     labels = list(pages[0].masks)
     shuffle_seed, init_seed = train_module.layer_seeds(seed, len(labels))[layer]
@@ -281,11 +280,10 @@ def test_a_job_stopped_right_after_a_fresh_start_resumes_the_new_start(
     pages = _bench_pages(tmp_path)
     settings_fields = {"epochs": 2, "max_samples_per_label": 160, "patch_height": 32, "patch_width": 32,
                        "batch_size": 16, "patience": 15, "seed": FROZEN_SEED, "mixed_precision": "off",
-                       **AS_IT_WAS, "output_start": "keras"}  # fmt: skip
+                       **AS_IT_WAS, "output_start": "keras", "max_fresh_starts": 2}  # fmt: skip
     from worker.trainer import TrainSettings
 
     settings = TrainSettings(**settings_fields)
-    monkeypatch.setattr(train_module, "MAX_FRESH_STARTS", 2)
     centres = train_module._sample(pages, settings, FROZEN_SEED)
     label = next(iter(pages[0].masks))
     shuffle_seed, init_seed = train_module.layer_seeds(FROZEN_SEED, len(pages[0].masks))[0]

@@ -431,5 +431,9 @@ def test_the_worker_builds_its_settings_only_from_the_file() -> None:
     assert train_settings(params) == TrainSettings(**request, **bridge)
     other = train_settings(replace(params, settings=replace(params.settings, batch_size=4, patience=9), seed=None))
     assert (other.batch_size, other.patience, other.seed) == (4, 9, None)
+    # The test hook HPC_TEST_FRESH_STARTS (a digit string) sets the trainer's fresh starts; else its own 2.
+    assert train_settings(params, {"HPC_TEST_FRESH_STARTS": "0"}).max_fresh_starts == 0
+    assert train_settings(params, {"HPC_TEST_FRESH_STARTS": "none"}).max_fresh_starts == 2
+    assert train_settings(params, {}).max_fresh_starts == 2
     request_fields = {"epochs", "max_samples_per_label", "patch_height", "patch_width", "batch_size", "patience"}
     assert all(f.default is MISSING for f in fields(TrainSettings) if f.name in request_fields)

@@ -296,14 +296,24 @@ def finish(params_path: Path, run_dir: Path, inputs_dir: Path | None = None) -> 
         shutil.rmtree(inputs_dir, ignore_errors=True)
 
 
-def train_settings(params: JobParameters) -> TrainSettings:
-    """The trainer's settings for this request: the request's own, the bridge's HPC_SAVE_OPTIMIZER,
-    HPC_MIXED_PRECISION and HPC_TRAINING_SEED; the rest is the trainer's (strategy, validation split).
-    Raises TrainingInputError for a value the trainer cannot use."""
-    from worker.trainer.settings import TrainSettings
+#: Test hook, read from the job's environment (a test sets it in HPC_JOB_PROLOGUE): the most fresh
+#: starts a layer may take (worker.trainer.settings.MAX_FRESH_STARTS when unset). For the tests whose
+#: subject is not the trainer: each fresh start repeats a layer's first epoch, which a tiny test
+#: training almost always ends where it started (tests/test_fresh_start.py tests the guard itself).
+TEST_FRESH_STARTS = "HPC_TEST_FRESH_STARTS"
 
+
+def train_settings(params: JobParameters, environ: Mapping[str, str] | None = None) -> TrainSettings:
+    """The trainer's settings for this request: the request's own, the bridge's HPC_SAVE_OPTIMIZER,
+    HPC_MIXED_PRECISION and HPC_TRAINING_SEED; the rest is the trainer's (strategy, validation split),
+    but for the test hook :data:`TEST_FRESH_STARTS` in ``environ`` (default: this process's).
+    Raises TrainingInputError for a value the trainer cannot use."""
+    from worker.trainer.settings import MAX_FRESH_STARTS, TrainSettings
+
+    hook = (os.environ if environ is None else environ).get(TEST_FRESH_STARTS, "")
     s = params.settings
     return TrainSettings(
+        max_fresh_starts=int(hook) if hook.isdigit() else MAX_FRESH_STARTS,
         epochs=s.epochs,
         max_samples_per_label=s.max_samples_per_label,
         patch_height=s.patch_height,

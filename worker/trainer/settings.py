@@ -19,6 +19,9 @@ PATCH_DRAWS_CHOICES = ("once", "every_epoch")
 OUTPUT_START_CHOICES = ("keras", "prior", "opposed")
 #: Values of ``TrainSettings.mixed_precision``.
 MIXED_PRECISION_CHOICES = ("off", "auto", "float16", "bfloat16")
+#: How many times a layer whose first epoch ends in one class starts again from new weights
+#: (:class:`~worker.trainer.callbacks.FirstEpochGuard`); after that its model is kept and reported.
+MAX_FRESH_STARTS = 2
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,8 @@ class TrainSettings:
     and its two weights of opposite signs. ``patch_draws`` is ``"every_epoch"`` (the default, as
     Paco_classifier's generator: each epoch trains on a new draw of as many patches;
     :func:`worker.trainer.train.draw_factor`) or ``"once"`` (the original HPC trainer's: every epoch
-    trains on the same patches).
+    trains on the same patches). ``max_fresh_starts`` is how many times a layer whose first epoch
+    ends where it started begins again from new weights (:data:`MAX_FRESH_STARTS`).
     """
 
     epochs: int
@@ -65,6 +69,7 @@ class TrainSettings:
     learning_rate: float = 1e-4
     output_start: str = "opposed"
     patch_draws: str = "every_epoch"
+    max_fresh_starts: int = MAX_FRESH_STARTS
 
     def __post_init__(self) -> None:
         if self.epochs < 1:
@@ -111,6 +116,8 @@ class TrainSettings:
             raise TrainingInputError(
                 f"output_start must be one of {', '.join(OUTPUT_START_CHOICES)}, not {self.output_start!r}"
             )
+        if self.max_fresh_starts < 0:
+            raise TrainingInputError(f"max_fresh_starts cannot be negative ({self.max_fresh_starts})")
         if not 0.0 < self.learning_rate < 1.0:
             raise TrainingInputError(f"the learning rate must lie strictly between 0 and 1, not {self.learning_rate}")
         if self.mixed_precision not in MIXED_PRECISION_CHOICES:

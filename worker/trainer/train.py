@@ -585,7 +585,7 @@ def train_label(
             log.warning(
                 "layer %r: its first epoch ended no better than its starting answer (val_loss %.4f, the "
                 "constant answer's %.4f; it marks %s): fresh start %d of %d from new weights",
-                label, restart.loss, restart.start_loss, restart.answer, fresh_starts, MAX_FRESH_STARTS,
+                label, restart.loss, restart.start_loss, restart.answer, fresh_starts, settings.max_fresh_starts,
             )  # fmt: skip
             if on_layer is not None:
                 on_layer(
@@ -596,7 +596,7 @@ def train_label(
                         "val_loss": restart.loss,
                         "start_loss": restart.start_loss,
                         "fresh_start": fresh_starts,
-                        "of": MAX_FRESH_STARTS,
+                        "of": settings.max_fresh_starts,
                     }
                 )
 
@@ -637,11 +637,6 @@ def start_output(model: Any, plan: TrainingPlan, how: str, layer_pixels: int, pi
         kernel[..., 1:, :] *= -1  # kernel (1, 1, units, 1): the units after the first pull down
     with plan.strategy.scope():
         layer.set_weights([kernel, bias])
-
-
-#: How many times a layer whose first epoch ends in one class starts again from new weights
-#: (:class:`~worker.trainer.callbacks.FirstEpochGuard`); after that its model is kept and reported.
-MAX_FRESH_STARTS = 2
 
 
 def fresh_start_seed(init_seed: int | None, fresh_starts: int) -> int | None:
@@ -699,7 +694,11 @@ def _train_attempt(
         layer_pixels,
         pixels,
         start_probability,
-        enabled=fresh_starts < MAX_FRESH_STARTS and initial_weights is None and (resume is None or resume.epoch == 0),
+        enabled=(
+            fresh_starts < settings.max_fresh_starts
+            and initial_weights is None
+            and (resume is None or resume.epoch == 0)
+        ),
     )
     first_epoch, rest_of_epoch = 0, None
     if resume is not None:
@@ -848,7 +847,7 @@ def train_pages(
 
     **Models that cannot move.** A layer whose first epoch ends with its model marking every
     validation pixel alike (all background, or all layer) starts again from new weights, at most
-    :data:`MAX_FRESH_STARTS` times (:class:`~worker.trainer.callbacks.FirstEpochGuard`; not a layer
+    ``settings.max_fresh_starts`` times (:class:`~worker.trainer.callbacks.FirstEpochGuard`; not a layer
     given a starting model). ``on_layer`` (any callable) hears of each such fresh start
     (``{"event": "fresh_start", "label", "answer", "loss", "fresh_start", "of"}``) and of every layer
     trained in this call (``{"event": "layer_trained", "label", "best_epoch", "best_val_accuracy",
