@@ -26,7 +26,7 @@ import numpy as np
 
 from consumers import CONSUMERS, ConsumerUnavailable, by_name, find_python
 from consumers.verify import PREDICTION_TOLERANCE, STATE_MARGIN, STEP_TOLERANCE, Verdict, page_image, verify
-from tests.support.bridge import FAST_SETTINGS, bridge_environ, run_bridge
+from tests.support.bridge import FAST_SETTINGS, NO_FRESH_STARTS, bridge_environ, run_bridge
 from tests.support.cluster import cancel_spool_jobs
 
 pytestmark = [
@@ -50,9 +50,12 @@ def test_every_model_of_a_real_training_loads_predicts_and_trains_in_rodans_tens
     slurm, broker_url, standin, queues, rodan, sample_inputs, tmp_path
 ):
     spool = tmp_path / "spool"
-    env = bridge_environ(broker_url, standin, queues, spool, HPC_LOG_FILE=str(tmp_path / "bridge.log"))
-    old_inputs = sample_inputs("old", height=320, width=384, seed=11)
-    new_inputs = sample_inputs("new", n_layers=1, height=320, width=384, seed=12)
+    # What a file holds does not depend on how the training went: no fresh starts (NO_FRESH_STARTS).
+    env = bridge_environ(
+        broker_url, standin, queues, spool, HPC_LOG_FILE=str(tmp_path / "bridge.log"), HPC_JOB_PROLOGUE=NO_FRESH_STARTS
+    )
+    old_inputs = sample_inputs("old", height=256, width=320, seed=11)
+    new_inputs = sample_inputs("new", n_layers=1, height=256, width=320, seed=12)
     try:
         # The older generation as configured by default; the newer with Adam's state in the files
         # (the bridge writes HPC_SAVE_OPTIMIZER into the job's parameters when it submits).

@@ -24,7 +24,7 @@ import pytest
 import requests
 
 from bridge.testing.rodan import RodanStandin
-from tests.support.bridge import FAST_SETTINGS, bridge_environ, run_bridge
+from tests.support.bridge import FAST_SETTINGS, NO_FRESH_STARTS, bridge_environ, run_bridge
 from tests.support.broker import Queues, Rodan
 from tests.support.cluster import Cluster
 from tests.support.harness import Harness
@@ -37,6 +37,7 @@ NO_ROUTE = "\n".join(
         "export http_proxy=http://127.0.0.1:9 https_proxy=http://127.0.0.1:9",
         "export HTTP_PROXY=http://127.0.0.1:9 HTTPS_PROXY=http://127.0.0.1:9",
         "unset NO_PROXY no_proxy",
+        NO_FRESH_STARTS,  # the training is not what is tested here
     ]
 )
 
@@ -83,7 +84,7 @@ def test_a_node_without_a_route_trains_in_login_mode_and_fails_clearly_in_node_m
     not naming the setting; a token in the login-mode job's parameter file."""
     # A page large enough for 64x64 patches of each layer (as test_e2e's), one seed for the trainer.
     harness.env["HPC_TRAINING_SEED"] = "20261128"
-    login_page = sample_inputs("new", n_layers=1, height=320, width=384, seed=31)
+    login_page = sample_inputs("new", n_layers=1, height=256, width=320, seed=31)
     node_page = sample_inputs("old", height=160, width=192, seed=32)
     fetched = rodan.publish_request(login_page, FAST_SETTINGS)
     harness.check(HPC_INPUTS_FETCH="login")

@@ -16,7 +16,7 @@ from bridge.ledger import Ledger, RequestRecord
 from bridge.logs import register_secret
 from bridge.ops import request_log
 from bridge.spool import Spool
-from tests.support.bridge import FAST_SETTINGS, RODAN_PASSWORD, bridge_environ, run_bridge
+from tests.support.bridge import FAST_SETTINGS, NO_FRESH_STARTS, RODAN_PASSWORD, bridge_environ, run_bridge
 from tests.support.cluster import cancel_spool_jobs
 
 CORR = "5f0c2a9e-1111-4000-8000-000000000001"
@@ -109,9 +109,10 @@ def test_prefix_ambiguous_and_unknown_ids(fabricated, capsys):
 def test_a_real_request_end_to_end(broker_url, standin, queues, rodan, sample_inputs, tmp_path, slurm):
     spool = tmp_path / "spool"
     env = bridge_environ(
-        broker_url, standin, queues, spool, HPC_LOG_FILE=str(tmp_path / "bridge.log"), HPC_TRAINING_SEED="1"
-    )
-    corr = rodan.publish_request(sample_inputs("new", n_layers=1, height=320, width=384, seed=8), FAST_SETTINGS)
+        broker_url, standin, queues, spool, HPC_LOG_FILE=str(tmp_path / "bridge.log"), HPC_TRAINING_SEED="1",
+        HPC_JOB_PROLOGUE=NO_FRESH_STARTS,
+    )  # fmt: skip
+    corr = rodan.publish_request(sample_inputs("new", n_layers=1, height=256, width=320, seed=8), FAST_SETTINGS)
     try:
         deadline = time.monotonic() + 600  # a real training: its job may wait for room on a busy node
         while not (spool / "replies" / f"{corr}.json").exists():

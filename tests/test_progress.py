@@ -22,7 +22,7 @@ from bridge.ledger import Ledger, RequestState
 from bridge.progress import CLEAR_LINE, Progress, format_bar, format_elapsed, read_new_events, resolve_mode
 from bridge.schedulers import JobInfo, JobState
 from bridge.spool import Spool
-from tests.support.bridge import FAST_SETTINGS, REPO, bridge_environ, run_bridge
+from tests.support.bridge import FAST_SETTINGS, NO_FRESH_STARTS, REPO, bridge_environ, run_bridge
 from tests.support.chain import PY, Recording, link_env, make_chain
 from tests.support.cluster import cancel_spool_jobs
 from tests.support.wait import wait_until
@@ -323,9 +323,11 @@ def test_enqueue_wait_shows_json_progress_of_a_real_request(
     broker_url: str, standin: Any, queues: Any, rodan: Any, sample_inputs: Any, slurm: None, tmp_path: Path
 ) -> None:
     spool = tmp_path / "spool"
-    env = bridge_environ(broker_url, standin, queues, spool, HPC_LOG_FILE=str(tmp_path / "bridge.log"))
+    env = bridge_environ(
+        broker_url, standin, queues, spool, HPC_LOG_FILE=str(tmp_path / "bridge.log"), HPC_JOB_PROLOGUE=NO_FRESH_STARTS
+    )
     inputs = tmp_path / "inputs.json"
-    inputs.write_text(json.dumps(sample_inputs("new", n_layers=1, height=320, width=384, seed=5)))
+    inputs.write_text(json.dumps(sample_inputs("new", n_layers=1, height=256, width=320, seed=5)))
     settings = [arg for name, value in FAST_SETTINGS.items() for arg in ("--setting", f"{name}={value}")]
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("RABBITMQ_", "RODAN_", "HPC_"))}
     err_file = tmp_path / "enqueue.err"

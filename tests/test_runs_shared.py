@@ -25,7 +25,7 @@ import pytest
 from bridge.ops.doctor import check_spool
 from bridge.ops.metrics import write_metrics
 from bridge.spool import Spool, atomic_write_json
-from tests.support.bridge import FAST_SETTINGS, bridge_environ, run_bridge
+from tests.support.bridge import FAST_SETTINGS, NO_FRESH_STARTS, bridge_environ, run_bridge
 from tests.support.broker import Queues, Rodan
 from tests.support.cluster import cancel_spool_jobs, require_other_user
 from tests.support.worker import run, write_params
@@ -316,9 +316,10 @@ def test_a_slurm_job_in_group_mode_leaves_a_run_the_group_reads(
         HPC_SCHEDULER="slurm",
         HPC_RUNS_DIR=str(lab_runs),
         HPC_RUNS_SHARED="group",
+        HPC_JOB_PROLOGUE=NO_FRESH_STARTS,
     )
     settings = {**FAST_SETTINGS, "Maximum number of training epochs": 1}
-    corr = rodan.publish_request(sample_inputs("new", n_layers=1, height=320, width=384), settings)
+    corr = rodan.publish_request(sample_inputs("new", n_layers=1, height=256, width=320), settings)
     replies: list[bytes] = []
     deadline = time.monotonic() + 300
     try:

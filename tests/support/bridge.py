@@ -18,9 +18,14 @@ from tests.support.broker import Queues
 REPO = Path(__file__).resolve().parents[2]
 RODAN_EMAIL = "hpc@example.org"
 RODAN_PASSWORD = "standin-password-9f2c"
-# Settings for a training request that finishes in seconds on 2 cores.
+#: Settings for a training request that finishes in seconds on 2 cores: one epoch (the protocol's
+#: fewest samples per label, 100, and patches of the older generations' least side, 64). What the
+#: tests check of a training (files, replies, events) does not depend on its length, while its cost
+#: grows with every epoch: each layer's first epoch may run three times
+#: (worker.trainer.settings.MAX_FRESH_STARTS), and several tests train at once. Tests whose subject is
+#: not the trainer add :data:`NO_FRESH_STARTS` to the job's prologue.
 FAST_SETTINGS: dict[str, Any] = {
-    "Maximum number of training epochs": 2,
+    "Maximum number of training epochs": 1,
     "Maximum number of samples per label": 100,
     "Patch height": 64,
     "Patch width": 64,
@@ -28,6 +33,10 @@ FAST_SETTINGS: dict[str, Any] = {
     "Maximum memory (MB)": 4096,
     "CPUs": 1,
 }
+#: HPC_JOB_PROLOGUE for a test that trains for real but is not about the trainer: no layer starts
+#: again from new weights (the test hook worker.job.TEST_FRESH_STARTS), so each layer trains its
+#: epoch once instead of up to three times.
+NO_FRESH_STARTS = "export HPC_TEST_FRESH_STARTS=0"
 
 
 def bridge_environ(broker_url: str, standin: RodanStandin, queues: Queues, spool: Path, **extra: str) -> dict[str, str]:
