@@ -75,7 +75,8 @@ def test_both_generations_train_and_reply_with_loadable_models(harness, rodan, s
         events = [json.loads(line) for line in (run_dir / "job.log").read_text().splitlines() if line.startswith("{")]
         reported = [e["model"] for e in events if e.get("event") in ("layer_trained", "layer_learned_nothing")]
         assert sorted(reported) == sorted(keys)
-        assert json.loads((run_dir / "settings.json").read_text())["patch_height"] == 64
+        written = json.loads((run_dir / "settings.json").read_text())
+        assert written["patch_height"] == 64 and written["max_fresh_starts"] == 2  # the production path
         history = np.load(run_dir / "history.npz")
         assert len(history[f"{keys[0]}/val_accuracy"]) >= 1
         assert (run_dir / "training_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -144,7 +144,6 @@ def _bench_pages(tmp_path: Path) -> list[Any]:
 
 def _train_layer(
     tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
     fresh_starts: int,
     seed: int = 3,
     layer: int = 0,
@@ -184,38 +183,32 @@ FROZEN_VAL_ACCURACY = 0.8294
 
 
 @pytest.mark.training
-def test_the_frozen_background_of_seed_3_is_reproduced_as_the_trainer_was(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_frozen_background_of_seed_3_is_reproduced_as_the_trainer_was(tmp_path: Path) -> None:
     """The trainer as it was (Keras' zero output bias, no fresh start): every epoch marks every pixel
     as background, with the benchmark's figure."""
-    result, events = _train_layer(tmp_path, monkeypatch, fresh_starts=0, **AS_IT_WAS, output_start="keras")
+    result, events = _train_layer(tmp_path, fresh_starts=0, **AS_IT_WAS, output_start="keras")
     assert events == []
     assert result.one_class == ALL_LAYER  # the background layer marks every pixel as background
     assert result.history["val_accuracy"] == pytest.approx([FROZEN_VAL_ACCURACY] * 2, abs=5e-5)
 
 
 @pytest.mark.training
-def test_the_frozen_background_of_seed_3_learns_with_the_trainers_defaults(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_frozen_background_of_seed_3_learns_with_the_trainers_defaults(tmp_path: Path) -> None:
     """The same layer, seeds and samples with today's defaults (the output bias at the layer's share,
     fresh starts on): after 2 epochs its model tells the ink from the parchment, its val_accuracy
     above the frozen 0.8294 by far more than the 0.5 / 32 768 of a pixel (mutation caught: the
     output bias left at zero with fresh starts off, which is the test above)."""
-    result, _ = _train_layer(tmp_path, monkeypatch, fresh_starts=2, **AS_IT_WAS)
+    result, _ = _train_layer(tmp_path, fresh_starts=2, **AS_IT_WAS)
     assert result.one_class is None
     assert result.best_val_accuracy > FROZEN_VAL_ACCURACY + 0.03
 
 
 @pytest.mark.training
-def test_a_first_epoch_no_better_than_the_constant_answer_starts_again(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_first_epoch_no_better_than_the_constant_answer_starts_again(tmp_path: Path) -> None:
     """The guard alone (zero output bias, as the frozen run): the first epoch's val_loss is above the
     0.6931 of answering 0.5 everywhere, so the epoch is rejected and the layer starts again from new
     weights; the rejected epoch is not counted (mutation caught: no FirstEpochGuard in the callbacks)."""
-    result, events = _train_layer(tmp_path, monkeypatch, fresh_starts=2, **AS_IT_WAS, output_start="keras")
+    result, events = _train_layer(tmp_path, fresh_starts=2, **AS_IT_WAS, output_start="keras")
     assert events and events[0]["event"] == "fresh_start" and events[0]["fresh_start"] == 1
     assert events[0]["answer"] == ALL_LAYER
     assert events[0]["start_loss"] == pytest.approx(0.6931, abs=1e-4)
@@ -231,15 +224,13 @@ SILENT_VAL_ACCURACY = 0.7559
 
 
 @pytest.mark.training
-def test_the_silent_staff_lines_of_seed_2_are_reproduced_as_the_trainer_was(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_silent_staff_lines_of_seed_2_are_reproduced_as_the_trainer_was(tmp_path: Path) -> None:
     """The trainer of 040ffeb (output bias at the prior, both output weights as Keras drew them, two
     fresh starts): every start's first epoch marks no pixel as a staff line, and so does the kept one's
     every epoch. Its loss fell all the same (0.51 to 0.36 over 10 epochs): both ReLU units learned to
     fire on the other pixels with negative weights, so the staff lines sit at the bias's probability."""
     result, events = _train_layer(
-        tmp_path, monkeypatch, fresh_starts=2, seed=SILENT_SEED, layer=STAFF_LINES, epochs=3, **AS_IT_WAS,
+        tmp_path, fresh_starts=2, seed=SILENT_SEED, layer=STAFF_LINES, epochs=3, **AS_IT_WAS,
         output_start="prior",
     )  # fmt: skip
     assert [e["answer"] for e in events] == [ALL_NON_LAYER, ALL_NON_LAYER]
@@ -249,15 +240,11 @@ def test_the_silent_staff_lines_of_seed_2_are_reproduced_as_the_trainer_was(
 
 
 @pytest.mark.training
-def test_the_silent_staff_lines_of_seed_2_learn_with_opposed_output_weights(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_silent_staff_lines_of_seed_2_learn_with_opposed_output_weights(tmp_path: Path) -> None:
     """The same layer, seeds and samples, 10 epochs, with today's defaults (the output's two weights of
     opposite signs): its model marks about the staff lines' share and scores far above the frozen
     0.7559 (mutation caught: ``output_start="prior"``, the test above, whose every epoch marks nothing)."""
-    result, _ = _train_layer(
-        tmp_path, monkeypatch, fresh_starts=2, seed=SILENT_SEED, layer=STAFF_LINES, epochs=10, **AS_IT_WAS
-    )
+    result, _ = _train_layer(tmp_path, fresh_starts=2, seed=SILENT_SEED, layer=STAFF_LINES, epochs=10, **AS_IT_WAS)
     assert result.one_class is None
     assert result.best_val_accuracy > SILENT_VAL_ACCURACY + 0.15
     share = result.history["val_predicted_share"][result.best_epoch - 1]
@@ -265,9 +252,7 @@ def test_the_silent_staff_lines_of_seed_2_learn_with_opposed_output_weights(
 
 
 @pytest.mark.training
-def test_a_job_stopped_right_after_a_fresh_start_resumes_the_new_start(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_job_stopped_right_after_a_fresh_start_resumes_the_new_start(tmp_path: Path) -> None:
     """Found by the Grid Engine continuation test: a job told to stop just after a fresh start left no
     checkpoint of it, so every continuation repeated the rejected first epoch, was stopped at the same
     point, and the request ran out of continuations. The stop now saves the new start (epoch 0, one

@@ -346,4 +346,7 @@ def test_a_slurm_job_in_group_mode_leaves_a_run_the_group_reads(
     for path in (run / "job.log", run / "history.npz", events[-1]):
         assert as_user(other, "cat", str(path)), path
     assert '"event": "epoch"' in (run / "job.log").read_text()
+    # The prologue's test hook reached the worker through the real job: no layer started again.
+    assert json.loads((run / "settings.json").read_text())["max_fresh_starts"] == 0
+    assert '"event": "layer_fresh_start"' not in (run / "job.log").read_text()
     assert not (spool / "params" / f"{corr}.json").exists()
