@@ -42,6 +42,10 @@ def harness(broker_url, standin, queues, rodan, tmp_path, cluster):
 
 
 @pytest.mark.training
+# One scheduler: what is tested here (both generations, the production trainer's run directory, the
+# secrets) does not depend on it. Grid Engine's jobs train for real in the enqueue test below, the
+# continuation (on JAX) and the continuation limit.
+@pytest.mark.parametrize("cluster", ["slurm"], indirect=True)
 def test_both_generations_train_and_reply_with_loadable_models(harness, rodan, sample_inputs, tmp_path):
     old = rodan.publish_request(sample_inputs("old", height=256, width=320, seed=1), FAST)
     new = rodan.publish_request(sample_inputs("new", n_layers=2, height=256, width=320, seed=2), FAST)
@@ -262,6 +266,9 @@ def test_sigkill_between_submit_and_ack_submits_nothing_twice(harness, rodan, sa
 
 
 @pytest.mark.training
+# On Grid Engine only: the daemon and enqueue do not depend on the scheduler, and Slurm's jobs train
+# through the whole path in the test above (and in the Rodan 3 scenarios, tests/test_rodan3_e2e.py).
+@pytest.mark.parametrize("cluster", ["gridengine"], indirect=True)
 def test_enqueue_waits_for_the_daemon_and_a_real_training(harness, sample_inputs, tmp_path):
     """Rodan's side as a command (``enqueue --wait``) against the ``run`` daemon."""
     harness.env["HPC_JOB_PROLOGUE"] = NO_FRESH_STARTS  # the path is tested here, not the trainer
@@ -396,9 +403,10 @@ def test_training_longer_than_one_job_continues_and_equals_an_uninterrupted_run(
         )
         wrapper.chmod(0o755)
         harness.env["PATH"] = f"{wrapper.parent}:{os.environ['PATH']}"
-    # Each job of the continued request is warned after a fixed amount of work (5 looks at the
-    # flag: batches and epoch ends; the whole training takes about 15), not by the clock: the
-    # number of jobs is the same however fast or loaded the machine is. What follows the warning
+    # Each job of the continued request is warned after a fixed amount of work (8 looks at the
+    # flag: batches and epoch ends; the whole training takes about 20, so three jobs, one cut inside
+    # an epoch and one between two), not by the clock: the number of jobs is the same however fast or
+    # loaded the machine is. What follows the warning
     # (checkpoint, requeue or successor, resume) is the real path. The warning's other sources
     # (the scheduler's signal, the job's own deadline) are tested in test_continuation.py,
     # test_dev_slurm.py and test_dev_gridengine.py.
@@ -412,7 +420,7 @@ def test_training_longer_than_one_job_continues_and_equals_an_uninterrupted_run(
     reference = rodan.publish_request(page, {**work, "Maximum time (D-HH:MM)": "0-01:00"})
     harness.check()  # the reference's job is submitted without the cut: the prologue below is for later jobs
     assert harness.ledger(reference)["state"] == "submitted"
-    harness.env["HPC_JOB_PROLOGUE"] = f"{prologue}; export HPC_TEST_WARN_AFTER_POLLS=5"
+    harness.env["HPC_JOB_PROLOGUE"] = f"{prologue}; export HPC_TEST_WARN_AFTER_POLLS=8"
     continued = rodan.publish_request(page, work)
     # Between cron passes, ``status`` as an operator runs it, once the ledger has counted a
     # continuation and until status has shown it (the state stays "continued" until the reply).
