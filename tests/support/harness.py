@@ -55,7 +55,7 @@ class Harness:
                 during()
             if self.all_replied(corrs):
                 return
-            time.sleep(2)
+            time.sleep(3)  # a pass costs a process start and the bridge's imports: no more often
         missing = [c for c in corrs if not self.replies.get(c)]
         raise AssertionError(f"no reply within {timeout} s for {missing}; log tail:\n{self.log_tail()}")
 
