@@ -15,8 +15,10 @@ What the guide leaves to the reader is given here:
 
 - ``HPC_BRIDGE_SOURCE``: the wheel's path (what the reader downloads from a release);
 - with ``--wheelhouse DIR``, a site's pip configuration (``~/.config/pip/pip.conf``: no index,
-  find links in DIR), as on a cluster whose login node installs from a local wheelhouse: the
-  guide's ``pip install`` lines run unchanged and copy local wheels instead of downloading;
+  find links in DIR, no byte-compiling at install), as on a cluster whose login node installs from
+  a local wheelhouse: the guide's ``pip install`` lines run unchanged and copy local wheels instead
+  of downloading (Python compiles the modules it imports when it first imports them: TensorFlow's
+  install takes half the CPU time, 6 s instead of 13 s on 2 cores of an Intel Xeon);
 - ``EDITOR``: a non-interactive editor that types the settings of ``--settings`` (a JSON object
   NAME -> value) into credentials.env the way a person would: a ``NAME=`` or ``# NAME=`` line is
   replaced, anything else is appended.
@@ -150,7 +152,8 @@ def write_pip_conf(home: Path, user: str, wheelhouse: Path) -> None:
         raise SystemExit(f"--wheelhouse {wheelhouse}: no wheel there (deploy/dev/setup.sh fills var/wheelhouse)")
     conf = home / ".config" / "pip" / "pip.conf"
     conf.parent.mkdir(parents=True, exist_ok=True)
-    conf.write_text(f"[global]\nno-index = true\nfind-links = {wheelhouse}\n")
+    # pip reads "compile", not "no-compile" (which it would take the other way round).
+    conf.write_text(f"[global]\nno-index = true\nfind-links = {wheelhouse}\n[install]\ncompile = false\n")
     run(["chown", "-R", f"{user}:{user}", str(home / ".config")])
     say(f"pip of {user} installs from {wheelhouse} only")
 
