@@ -27,8 +27,17 @@ pytestmark = pytest.mark.filterwarnings(  # TensorFlow's variables and NumPy 2, 
     "ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning"
 )
 
+#: No fresh starts (``max_fresh_starts=0``): the first-epoch guard is tests/test_fresh_start.py's subject;
+#: here it would train each tiny layer's first epoch up to three times.
 SETTINGS = TrainSettings(
-    epochs=2, max_samples_per_label=48, patch_height=32, patch_width=32, batch_size=8, patience=5, seed=4
+    epochs=2,
+    max_samples_per_label=48,
+    patch_height=32,
+    patch_width=32,
+    batch_size=8,
+    patience=5,
+    seed=4,
+    max_fresh_starts=0,
 )
 
 #: Trains SETTINGS on the striped page in a JAX process without TensorFlow (argv: out dir, JSON
@@ -152,7 +161,7 @@ def test_a_run_continues_only_on_the_backend_it_started_on(tmp_path: Path) -> No
         from tests.pages import striped_page
         from worker.trainer import CheckpointStore, TrainingInputError, TrainSettings, train_page
         settings = TrainSettings(epochs=2, max_samples_per_label=48, patch_height=32, patch_width=32,
-                                 batch_size=8, patience=5, seed=4)
+                                 batch_size=8, patience=5, seed=4, max_fresh_starts=0)
         try:
             train_page(striped_page(), settings, Path(sys.argv[1]), checkpoints=CheckpointStore(Path(sys.argv[2])))
         except TrainingInputError as exc:
@@ -193,7 +202,7 @@ def test_jax_shares_each_batch_over_several_devices_and_trains_the_same(tmp_path
         results = {}
         for name, strategy in (("one", ("cpu:0",)), ("two", ("cpu:0", "cpu:1"))):
             settings = TrainSettings(epochs=1, max_samples_per_label=32, patch_height=32, patch_width=32,
-                                     batch_size=8, patience=3, seed=5, strategy=strategy)
+                                     batch_size=8, patience=3, seed=5, strategy=strategy, max_fresh_starts=0)
             events = []
             paths = train_page(striped_page(), settings, out / name, on_epoch=events.append)
             plan = plan_training(settings)

@@ -29,8 +29,17 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning"
 )
 
+#: No fresh starts (``max_fresh_starts=0``): the first-epoch guard is tests/test_fresh_start.py's subject;
+#: here it would train each tiny layer's first epoch up to three times.
 SETTINGS = TrainSettings(
-    epochs=2, max_samples_per_label=40, patch_height=64, patch_width=64, batch_size=16, patience=3, seed=11
+    epochs=2,
+    max_samples_per_label=40,
+    patch_height=64,
+    patch_width=64,
+    batch_size=16,
+    patience=3,
+    seed=11,
+    max_fresh_starts=0,
 )
 CSV_HEADER = ["label", "epoch", "loss", "accuracy", "val_loss", "val_accuracy", "seconds", "samples_per_second"]
 

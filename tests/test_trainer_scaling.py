@@ -47,8 +47,17 @@ pytestmark = pytest.mark.filterwarnings(  # TensorFlow's variables and NumPy 2, 
 PATCH = 32
 
 
+#: No fresh starts (``max_fresh_starts=0``): the first-epoch guard is tests/test_fresh_start.py's subject;
+#: here it would train each tiny layer's first epoch up to three times.
 TINY = TrainSettings(
-    epochs=1, max_samples_per_label=40, patch_height=PATCH, patch_width=PATCH, batch_size=16, patience=3, seed=5
+    epochs=1,
+    max_samples_per_label=40,
+    patch_height=PATCH,
+    patch_width=PATCH,
+    batch_size=16,
+    patience=3,
+    seed=5,
+    max_fresh_starts=0,
 )
 #: A request's settings, Rodan's defaults (the trainer has none of its own for them).
 REQUEST = dict(epochs=15, max_samples_per_label=10000, patch_height=256, patch_width=256, batch_size=16, patience=3)
@@ -185,7 +194,7 @@ class Count(keras.callbacks.Callback):
 
 def train(devices, batch):
     settings = TrainSettings(epochs=2, max_samples_per_label=10000, patch_height=32, patch_width=32, batch_size=batch,
-                             patience=3, seed=1, strategy=devices, include_optimizer=True)
+                             patience=3, seed=1, strategy=devices, include_optimizer=True, max_fresh_starts=0)
     count = Count()
     result = train_label(page, "Layer", centres, settings, shuffle_rng=np.random.default_rng(0), init_seed=3,
                          callbacks=[count])
@@ -331,7 +340,8 @@ rng = np.random.default_rng(0)
 image = rng.integers(0, 256, (side, side, 3), dtype=np.uint8)  # the same page in both runs
 page = Page(image, {"Everything": np.ones((side, side), bool)})
 settings = TrainSettings(epochs=epochs, patience=epochs, max_samples_per_label=samples, patch_height=64,
-                         patch_width=64, batch_size=16, seed=3, validation_split=split, patch_draws="once")
+                         patch_width=64, batch_size=16, seed=3, validation_split=split, patch_draws="once",
+                         max_fresh_starts=0)  # every run takes exactly its epochs' steps
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 train_page(page, settings, Path(out), on_epoch=steps.append)
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -18,9 +18,11 @@ from worker.trainer.checkpoint import TrainingState
 #: 30 and 28 training patches of 32x32, batches of 8: 4 batches per epoch, 3 epochs, 2 layers. One draw
 #: of patches for the whole run, so that the tests can name every batch; a new draw every epoch (the
 #: default) resumes as well (tests/test_resume.py, test_patches_drawn_every_epoch_resume_as_if_never_stopped).
+#: No fresh starts (``max_fresh_starts=0``): the first-epoch guard is tests/test_fresh_start.py's subject
+#: (with a resume right after a fresh start); here it would train each layer's first epoch up to three times.
 RESUME_SETTINGS = TrainSettings(
     epochs=3, max_samples_per_label=60, patch_height=32, patch_width=32, batch_size=8, patience=5, seed=7,
-    patch_draws="once",
+    patch_draws="once", max_fresh_starts=0,
 )  # fmt: skip
 
 
