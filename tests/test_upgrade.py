@@ -190,7 +190,11 @@ def site(tmp_path: Path) -> Iterator[Site]:
                             root / "src-old", root / "dist-old")  # fmt: skip
     wheelhouse = root / "wheelhouse"  # the new version and every dependency: the pip runs use no index
     wheel = build_wheel(NEW_VERSION, root / "src-new", wheelhouse)
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "-d", wheelhouse, wheel], check=True, timeout=900)
+    # Its dependencies from set-up's wheelhouse (deploy/dev/setup.sh, var/wheelhouse): no index, no download.
+    setup_wheels = ["--no-index", f"--find-links={REPO / 'var' / 'wheelhouse'}"]
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", *setup_wheels, "-d", wheelhouse, wheel], check=True, timeout=900
+    )
     venv = root / "bridge-venv"
     subprocess.run([sys.executable, "-m", "venv", venv], check=True, timeout=300)
     offline = ["--no-index", f"--find-links={wheelhouse}"]
