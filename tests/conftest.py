@@ -16,6 +16,7 @@ fails too (the commands are replaced on its PATH, the broker's port refused in t
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import socket
@@ -102,10 +103,38 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(service)
         if "private_broker" in getattr(item, "fixturenames", ()):  # one worker for every private node
             item.add_marker(pytest.mark.xdist_group(PRIVATE_BROKER_GROUP))
-    # Longest first (a stable sort: file order within a rank). Under pytest-xdist
-    # (deploy/dev/test.sh, --no-loadscope-reorder) the workers take tests in this order, so no
-    # five-minute test starts near the end and keeps the run waiting for it alone.
-    items.sort(key=expected_length)
+
+
+class LongestFirst:
+    """The order of a phase's tests, once ``-m`` has chosen them: longest first (a stable sort: file
+    order within a rank), and among the longest (rank 0) those that mostly wait on a scheduler's
+    clock (marker ``waits``) in turn with those that compute. Under pytest-xdist (deploy/dev/test.sh,
+    --no-loadscope-reorder) the workers take tests in this order, one each at first: no five-minute
+    test starts near the end and keeps the run waiting for it alone, and the six waits, which came
+    first in file order, no longer leave both cores nearly idle for the phase's first minute
+    (``/proc/stat``, AMD EPYC)."""
+
+    @pytest.hookimpl(trylast=True)  # after the deselection by marker
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        items[:] = waits_in_turn(sorted(items, key=expected_length))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(LongestFirst(), "longest-first")
+
+
+def waits_in_turn(items: list[pytest.Item]) -> list[pytest.Item]:
+    """``items`` (sorted longest first) with the waits of rank 0 in turn with the tests that
+    compute, by the units the workers take (an xdist group is one unit, where its first test is)."""
+    longest = [item for item in items if expected_length(item) == 0]
+    units: dict[str, list[pytest.Item]] = {}
+    for item in longest:
+        group = item.get_closest_marker("xdist_group")
+        units.setdefault(f"group {group.args[0]}" if group else item.nodeid, []).append(item)
+    waits = [unit for unit in units.values() if any(item.get_closest_marker("waits") for item in unit)]
+    computes = [unit for unit in units.values() if unit not in waits]
+    turns = [item for pair in itertools.zip_longest(computes, waits) for unit in pair if unit for item in unit]
+    return turns + items[len(longest) :]
 
 
 @pytest.fixture(scope="session")

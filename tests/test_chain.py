@@ -744,6 +744,7 @@ def test_environment_values_arrive_intact(
 
 
 @pytest.mark.slow
+@pytest.mark.waits  # for the link's time limit warning
 def test_the_time_limit_warning_makes_the_script_checkpoint_and_the_next_link_resume(
     run_chain: Callable[..., tuple[subprocess.CompletedProcess[str], Path]], scheduler_name: str
 ) -> None:

@@ -427,6 +427,7 @@ open(sys.argv[1], "w").write(warning.reason)
 
 @pytest.mark.slurm
 @pytest.mark.slow  # waits for Slurm's warning signal
+@pytest.mark.waits
 def test_slurms_warning_signal_reaches_the_workers_flag(slurm: None, tmp_path: Path) -> None:
     """The real ``--signal=B:USR1@30`` of a two-minute job: the worker's flag rises (the time-limit
     path the end-to-end continuation test cuts short with a fixed amount of work). Slurm may send

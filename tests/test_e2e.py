@@ -99,6 +99,7 @@ def test_both_generations_train_and_reply_with_loadable_models(harness, rodan, s
 
 
 @pytest.mark.slow  # waits for a one-minute time limit
+@pytest.mark.waits
 def test_jobs_ending_without_a_reply_get_one_error_naming_the_state(harness, rodan, sample_inputs, standin):
     cluster = harness.cluster
     slow_page = sample_inputs("new", n_layers=1, height=160, width=192, seed=3)

@@ -741,6 +741,7 @@ def test_real_gpu_requests_and_refusals(ge: GridEngineScheduler, time_limited: s
 
 @pytest.mark.gridengine
 @pytest.mark.slow  # waits for a one-minute h_rt
+@pytest.mark.waits
 def test_real_time_limit_ends_as_timeout(ge: GridEngineScheduler, time_limited: str) -> None:
     info = wait_for(ge, time_limited, ended, timeout=120)
     assert (info.state, info.native_state, info.exit_code) == (
