@@ -25,7 +25,7 @@ interval of a run in its first minutes, after 1 hour and after 5 hours, 'Maximum
     .venv/bin/python benchmarks/bench_rodan_polling.py --runs 20 --poll 10 --window 240    # ~20 min
     .venv/bin/python benchmarks/bench_rodan_polling.py --runs 50 --poll-before 120 --poll-after 30 \
         --age-s 3600 --window 720                                    # steady state, measured; ~45 min
-    .venv/bin/python benchmarks/bench_rodan_polling.py --quick       # 2 runs, short windows, ~4 min
+    .venv/bin/python benchmarks/bench_rodan_polling.py --quick       # 2 runs, short windows, ~3 min
 
 Set HPC_TEST_RODAN_REDIS_DB when another Rodan of the tests may run on the machine (rodan.sh picks a
 free port by itself).
@@ -333,7 +333,8 @@ def main() -> None:
     parser.add_argument("--versions", default="before,after")
     args = parser.parse_args()
     if args.quick:
-        args.runs, args.window, args.idle, args.upload_mb, args.repeat = 2, 30.0, 5.0, 0.5, 1
+        # Two polls of each run in the window (--poll 10): enough for every column of the table.
+        args.runs, args.window, args.idle, args.upload_mb, args.repeat = 2, 20.0, 3.0, 0.5, 1
     broker_url = os.environ.get("RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
     tmp = Path(tempfile.mkdtemp(prefix="bench-rodan-polling-"))
     rows = []
