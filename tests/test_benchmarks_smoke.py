@@ -117,6 +117,11 @@ def test_quick_run_prints_its_table(script: str, request: pytest.FixtureRequest)
         env["RABBITMQ_URL"] = request.getfixturevalue("broker_url")
     if script in NEEDS_SLURM:
         request.getfixturevalue("slurm")
+    if script in NEEDS_RODAN:
+        # A Redis db of its own: at the same time run the heavy phase's Rodan with the job
+        # (HPC_TEST_RODAN_REDIS_DB, 12 by default) and, beside that phase, the dev Rodan of
+        # tests/test_rodan_real.py (rodan.sh's default, 13).
+        env["HPC_TEST_RODAN_REDIS_DB"] = str(int(os.environ.get("HPC_TEST_RODAN_REDIS_DB", "12")) + 2)
     result = subprocess.run(
         [sys.executable, f"benchmarks/{script}", "--quick"],
         cwd=REPO,
