@@ -15,7 +15,12 @@ from bridge.spool import Spool, atomic_write_json
 from tests.support.bridge import bridge_environ, run_bridge
 from tests.support.worker import run, write_params
 
-pytestmark = [pytest.mark.broker]
+pytestmark = [
+    pytest.mark.broker,
+    pytest.mark.filterwarnings(  # TensorFlow's variables and NumPy 2, inside Keras
+        "ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning"
+    ),
+]
 
 
 def test_missing_resource_is_an_error_reply_naming_the_step(
