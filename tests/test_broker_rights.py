@@ -48,6 +48,7 @@ def _rabbitmqctl() -> None:
     if shutil.which("rabbitmqctl") is None:
         pytest.fail("the broker-rights tests make RabbitMQ accounts with rabbitmqctl: run deploy/dev/setup.sh as root")
 
+
 REQUEST_QUEUE = "hpc-jobs"  # the guides' names: the vhost is the test's own
 DEAD_LETTER_QUEUE = "hpc-bridge.dead-letter"
 STATUS_QUEUE = "hpc-bridge.status"
