@@ -95,32 +95,24 @@ def expected_length(item: pytest.Item) -> int:
     return 3 if marked & set(SERVICES) else 4
 
 
-@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> Iterator[None]:
+    """Before ``-m`` deselects by marker: each test gets the markers of the services it reaches.
+    After: the phase's tests in the order the workers should take them. Longest first (a stable sort:
+    file order within a rank), and among the longest (rank 0) those that mostly wait on a scheduler's
+    clock (marker ``waits``) in turn with those that compute. Under pytest-xdist (deploy/dev/test.sh,
+    --no-loadscope-reorder) the workers take tests in this order, one each at first: no five-minute
+    test starts near the end and keeps the run waiting for it alone, and the six waits, which came
+    first in file order, no longer leave both cores nearly idle for the phase's first minute
+    (``/proc/stat``, AMD EPYC)."""
     for item in items:
         for service in sorted(services_of(item)):
             if item.get_closest_marker(service) is None:
                 item.add_marker(service)
         if "private_broker" in getattr(item, "fixturenames", ()):  # one worker for every private node
             item.add_marker(pytest.mark.xdist_group(PRIVATE_BROKER_GROUP))
-
-
-class LongestFirst:
-    """The order of a phase's tests, once ``-m`` has chosen them: longest first (a stable sort: file
-    order within a rank), and among the longest (rank 0) those that mostly wait on a scheduler's
-    clock (marker ``waits``) in turn with those that compute. Under pytest-xdist (deploy/dev/test.sh,
-    --no-loadscope-reorder) the workers take tests in this order, one each at first: no five-minute
-    test starts near the end and keeps the run waiting for it alone, and the six waits, which came
-    first in file order, no longer leave both cores nearly idle for the phase's first minute
-    (``/proc/stat``, AMD EPYC)."""
-
-    @pytest.hookimpl(trylast=True)  # after the deselection by marker
-    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
-        items[:] = waits_in_turn(sorted(items, key=expected_length))
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.pluginmanager.register(LongestFirst(), "longest-first")
+    yield
+    items[:] = waits_in_turn(sorted(items, key=expected_length))
 
 
 def waits_in_turn(items: list[pytest.Item]) -> list[pytest.Item]:

@@ -40,6 +40,7 @@ echo "[test] pytest"
 unset PYTHONDONTWRITEBYTECODE
 run_tmp=$(mktemp -d /tmp/hpc-bridge-tests.XXXXXX)
 beside_log=$(mktemp /tmp/hpc-bridge-tests-beside.XXXXXX)  # outside run_tmp: the secrets scan reads that
+trap 'rm -f "$beside_log"' EXIT
 export HPC_TEST_SCAN_DIRS="$run_tmp"
 # JAX compiles each program once for the whole run, not once per process (worker/trainer/backend.py).
 export JAX_COMPILATION_CACHE_DIR="$run_tmp/jax-compilation"
@@ -80,6 +81,5 @@ KERAS_BACKEND=jax phase jax -n 2 --dist loadfile --durations=10 -m "not slurm an
 phase first-epoch -n 2 --durations=10 -m "not slurm and not gridengine and not last" tests/test_fresh_start.py "$@"
 joined
 phase last -m last "$@"
-rm -f "$beside_log"
 if [ "$status" -eq 0 ]; then rm -rf "$run_tmp"; else echo "[test] what the tests left: $run_tmp"; fi
 exit "$status"

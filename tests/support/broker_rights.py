@@ -22,7 +22,6 @@ import re
 import secrets
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,6 +31,8 @@ from types import ModuleType
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import pika
+
+from tests.support.wait import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 #: The guides that give the rights, each both accounts' line.
@@ -117,17 +118,13 @@ def import_definitions(definitions: dict[str, object]) -> None:
     ctl("import_definitions", "--format", "json", stdin=json.dumps(definitions))
 
 
-def wait_for_login(url: str, timeout_s: float = 30) -> None:
-    """Until ``url``'s account can open a connection: the CLI says an import "can take some time"."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            pika.BlockingConnection(pika.URLParameters(url)).close()
-            return
-        except pika.exceptions.AMQPError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+def can_log_in(url: str) -> bool:
+    """Whether ``url``'s account can open a connection."""
+    try:
+        pika.BlockingConnection(pika.URLParameters(url)).close()
+    except pika.exceptions.AMQPError:
+        return False
+    return True
 
 
 def account_url(base_url: str, user: str, password: str, vhost: str) -> str:
@@ -191,8 +188,8 @@ def rights_vhost(base_url: str, bridge: Rights, job: Rights, *, tag: str = "righ
             users[BRIDGE_USER],
             users[JOB_USER],
         )
-        for url in (box.bridge_url, box.job_url):
-            wait_for_login(url)
+        for url in (box.bridge_url, box.job_url):  # the CLI says an import "can take some time"
+            wait_until(lambda url=url: can_log_in(url), 30, 0.2, what="an imported account's first login")
         yield box
     finally:
         # Whatever the import made (all or nothing, but a failed one is not trusted to have made nothing).
